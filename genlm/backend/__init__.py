@@ -1,0 +1,30 @@
+"""genlm.backend: exact, batched, cached next-token log-probabilities and byte vocabularies."""
+
+from genlm.backend.llm import (
+    AsyncLM,
+    AsyncSGLTransformer,
+    AsyncTransformer,
+    AsyncVirtualLM,
+    MockAsyncLM,
+    load_model_by_name,
+)
+from genlm.backend.tokenization import Token, decode_vocab
+from genlm.backend.trie import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
+)
+
+__all__ = [
+    "AsyncLM",
+    "AsyncSGLTransformer",
+    "AsyncTokenCharacterTrie",
+    "AsyncTransformer",
+    "AsyncVirtualLM",
+    "MockAsyncLM",
+    "ParallelTokenCharacterTrie",
+    "Token",
+    "TokenCharacterTrie",
+    "decode_vocab",
+    "load_model_by_name",
+]

@@ -1,0 +1,16 @@
+"""Language-model backends behind one asynchronous interface."""
+
+from genlm.backend.llm.base import AsyncLM, MockAsyncLM
+from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.llm.loading import load_model_by_name
+from genlm.backend.llm.sgl import AsyncSGLTransformer
+from genlm.backend.llm.vllm import AsyncVirtualLM
+
+__all__ = [
+    "AsyncLM",
+    "AsyncSGLTransformer",
+    "AsyncTransformer",
+    "AsyncVirtualLM",
+    "MockAsyncLM",
+    "load_model_by_name",
+]

@@ -1,0 +1,9 @@
+"""Placeholder: being written."""
+
+
+class AsyncLM:
+    pass
+
+
+class MockAsyncLM:
+    pass

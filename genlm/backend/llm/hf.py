@@ -1,0 +1,9 @@
+"""Placeholder: being written."""
+
+
+class AsyncTransformer:
+    pass
+
+
+class Query:
+    pass

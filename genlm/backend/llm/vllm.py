@@ -1,0 +1,9 @@
+"""Placeholder: being written."""
+
+
+class AsyncVirtualLM:
+    pass
+
+
+class GlobalLogprobsCapture:
+    pass

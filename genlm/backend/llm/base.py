@@ -1,9 +1,297 @@
-"""Placeholder: being written."""
+"""The asynchronous language-model interface and a model-free mock."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import numbers
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlm.backend.tokenization import decode_vocab
 
 
-class AsyncLM:
-    pass
+def check_token_ids(
+    token_ids: Sequence[int], vocab_size: int, max_length: int | None = None
+) -> tuple[int, ...]:
+    """Validate a context of token ids at the API boundary.
+
+    Args:
+        token_ids: The context; a sequence of ints (a 1-D tensor or array works too).
+        vocab_size: Ids must lie in `[0, vocab_size)`.
+        max_length: Longest accepted context, if the model has one.
+
+    Returns:
+        The ids as a tuple of Python ints.
+
+    Raises:
+        ValueError: If the context is empty, too long, not a flat sequence, or
+            holds an id that is not an integer or lies outside the vocabulary.
+    """
+    if isinstance(token_ids, torch.Tensor | np.ndarray):
+        if token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+        raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+    if len(token_ids) == 0:
+        raise ValueError("token_ids is empty: a context needs at least one token (e.g. BOS)")
+    for position, token_id in enumerate(token_ids):
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+            raise ValueError(
+                f"token_ids[{position}] = {token_id!r} is not an integer "
+                f"({type(token_id).__name__})"
+            )
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab_size})"
+            )
+    if max_length is not None and len(token_ids) > max_length:
+        raise ValueError(
+            f"token_ids has {len(token_ids)} tokens; the model accepts at most {max_length}"
+        )
+    return tuple(int(t) for t in token_ids)
 
 
-class MockAsyncLM:
-    pass
+class AsyncLM(ABC):
+    """A language model that answers next-token log-probability queries.
+
+    Concurrent `await`s of `next_token_logprobs` are batched by the backend.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer; its exact byte vocabulary becomes
+            `byte_vocab` (and `str_vocab`), see `decode_vocab`.
+
+    Attributes:
+        tokenizer: The tokenizer.
+        byte_vocab: `byte_vocab[i]` is the `Token` of id `i`.
+        str_vocab: `str_vocab[i]` is the text of token `i`.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.byte_vocab, self.str_vocab = decode_vocab(tokenizer)
+
+    @abstractmethod
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token after `token_ids`.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor over the model's output vocabulary with `logsumexp == 0`.
+        """
+
+    @abstractmethod
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Synchronous `next_token_logprobs`.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor over the model's output vocabulary with `logsumexp == 0`.
+        """
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Next-token log-probabilities of several contexts, computed concurrently.
+
+        Args:
+            token_ids_list: The contexts.
+
+        Returns:
+            A 2-D tensor, one row per context, in input order.
+        """
+        rows = await asyncio.gather(*(self.next_token_logprobs(ids) for ids in token_ids_list))
+        return torch.stack(rows)
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Synchronous `batch_next_token_logprobs`.
+
+        Args:
+            token_ids_list: The contexts.
+
+        Returns:
+            A 2-D tensor, one row per context, in input order.
+        """
+        return torch.stack([self.next_token_logprobs_sync(ids) for ids in token_ids_list])
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Ancestral sampling from the model.
+
+        Args:
+            prompt_token_ids: The prompt.
+            max_tokens: Most tokens to generate.
+            eos_token_ids: Sampling stops at the first of these (not returned).
+            temperature: Divides the logits; must be positive.
+            seed: Seeds the sampler; the same seed gives the same tokens.
+
+        Returns:
+            The generated token ids, without the prompt or the stopping token.
+
+        Raises:
+            ValueError: If `max_tokens` is negative or `temperature` is not positive.
+        """
+        check_sampling_args(max_tokens, temperature)
+        generator = torch.Generator()
+        if seed is not None:
+            generator.manual_seed(seed)
+        else:
+            generator.seed()
+        stop = set(eos_token_ids)
+        context, generated = list(prompt_token_ids), []
+        for _ in range(max_tokens):
+            logprobs = await self.next_token_logprobs(context)
+            token_id = draw_token(logprobs, temperature, generator)
+            if token_id in stop:
+                break
+            generated.append(token_id)
+            context.append(token_id)
+        return generated
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Sequence[Sequence[int]],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """Sample a continuation of each prompt, concurrently.
+
+        Args:
+            prompt_token_ids_list: The prompts.
+            max_tokens: Most tokens to generate per prompt.
+            eos_token_ids: Sampling stops at the first of these (not returned).
+            temperature: Divides the logits; must be positive.
+            seed: Seeds the samplers (prompt `i` uses `seed + i`).
+
+        Returns:
+            One list of generated token ids per prompt, in input order.
+        """
+        return list(
+            await asyncio.gather(
+                *(
+                    self.sample(
+                        prompt,
+                        max_tokens,
+                        eos_token_ids,
+                        temperature,
+                        None if seed is None else seed + i,
+                    )
+                    for i, prompt in enumerate(prompt_token_ids_list)
+                )
+            )
+        )
+
+    def clear_cache(self) -> None:  # noqa: B027 - a backend without caches has nothing to clear
+        """Drop cached results (backends with caches override this)."""
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Register a LoRA adapter (not supported by this backend)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+        """Activate a LoRA adapter (not supported by this backend)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def clear_lora(self) -> None:
+        """Deactivate LoRA adapters (not supported by this backend)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+
+def check_sampling_args(max_tokens: int, temperature: float) -> None:
+    """Raise `ValueError` for a negative `max_tokens` or a non-positive `temperature`."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+        raise ValueError(f"max_tokens must be an int, got {max_tokens!r}")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be non-negative, got {max_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+
+
+def draw_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """Draw one token id from `softmax(logprobs / temperature)` with `generator`."""
+    probs = torch.softmax(logprobs.detach().to("cpu", torch.float64) / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class MockAsyncLM(AsyncLM):
+    """A model-free `AsyncLM` for tests.
+
+    Its log-probabilities are pseudo-random but a pure function of the token
+    ids: the same ids give the same tensor in every instance and process.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer; the vocabulary size is `len(tokenizer)`.
+    """
+
+    def __init__(self, tokenizer: Any):
+        super().__init__(tokenizer)
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
+        """Load only the tokenizer of `model_name` (a hub name or a folder).
+
+        Args:
+            model_name: Passed to `AutoTokenizer.from_pretrained`.
+            **kwargs: Passed to `AutoTokenizer.from_pretrained`.
+
+        Returns:
+            A `MockAsyncLM` over that tokenizer.
+        """
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(model_name, **kwargs))
+
+    def _logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        ids = check_token_ids(token_ids, self.vocab_size)
+        digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        logits = torch.randn(self.vocab_size, generator=generator)
+        return torch.log_softmax(logits, dim=-1)
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Pseudo-random log-probabilities determined by `token_ids`.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor of length `len(tokenizer)` with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        return self._logprobs(token_ids)
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Synchronous `next_token_logprobs`.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor of length `len(tokenizer)` with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        return self._logprobs(token_ids)

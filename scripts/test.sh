@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh clone: set-up, lint, format check, tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== pytest"
+# pytest exits 5 when it collects no test; `set -e` makes that a failure too.
+HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -20,7 +20,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # The CPU build of torch: a bare `torch` requirement would pull a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-    "$VENV/bin/python" -m pip install -q -e ".[tests,lora]"
+    "$VENV/bin/python" -m pip install -q -e ".[tests,lora,docs]"
     echo "$want" > "$stamp"
 fi
 

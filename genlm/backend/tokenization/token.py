@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
 
 
 class Token(bytes):
@@ -12,7 +15,9 @@ class Token(bytes):
     `token.decode()` work on the bytes. Between two `Token`s, equality, hashing
     and ordering use `token_id` only, because distinct ids may share bytes (for
     example a special token and the plain text it spells). Compared with
-    anything else, a `Token` behaves as its bytes.
+    anything else, a `Token` behaves as its bytes (so `Token(1, b"a") == b"a"`,
+    although the two hash differently: do not mix `Token`s and plain bytes as
+    keys of one dict or set).
 
     Args:
         token_id: The id of the token in its vocabulary.
@@ -25,12 +30,14 @@ class Token(bytes):
     token_id: int
 
     def __new__(cls, token_id: int, byte_string: bytes) -> Token:
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise TypeError(f"token_id must be an int, got {type(token_id).__name__}")
-        if not isinstance(byte_string, bytes | bytearray | memoryview):
+        if type(token_id) is not int:
+            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+                raise TypeError(f"token_id must be an int, got {type(token_id).__name__}")
+            token_id = int(token_id)
+        if not isinstance(byte_string, _BYTES_LIKE):
             raise TypeError(f"byte_string must be bytes, got {type(byte_string).__name__}")
-        token = super().__new__(cls, byte_string)
-        token.token_id = int(token_id)
+        token = bytes.__new__(cls, byte_string)
+        token.token_id = token_id
         return token
 
     @property
@@ -88,7 +95,7 @@ class Token(bytes):
         Raises:
             TypeError: If `x` is not bytes-like.
         """
-        if isinstance(x, bytes | bytearray | memoryview):
+        if isinstance(x, _BYTES_LIKE):
             return bytes(x)
         raise TypeError(f"expected a Token or bytes, got {type(x).__name__}")
 

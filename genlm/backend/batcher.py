@@ -71,7 +71,10 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         self.batch_size = batch_size
         self.timeout = timeout
         self._key = key
-        self._is_async = inspect.iscoroutinefunction(evaluate)
+        # A callable object counts as async when its __call__ is a coroutine function.
+        self._is_async = inspect.iscoroutinefunction(evaluate) or inspect.iscoroutinefunction(
+            type(evaluate).__call__
+        )
         self._counter = itertools.count()
         self._pending: dict[Hashable, _Entry] = {}
         self._in_flight: dict[Hashable, _Entry] = {}
@@ -223,10 +226,17 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
     @staticmethod
     def _resolve(entries: list[_Entry], results: Any, error: BaseException | None) -> None:
-        if error is None and len(results) != len(entries):
-            error = RuntimeError(
-                f"batch evaluator returned {len(results)} results for {len(entries)} requests"
-            )
+        if error is None:
+            # Anything indexable with a length works: a list, a batched tensor, an array.
+            try:
+                count = len(results)
+            except TypeError:
+                error = TypeError(f"batch evaluator returned {type(results).__name__}, no results")
+            else:
+                if count != len(entries):
+                    error = RuntimeError(
+                        f"batch evaluator returned {count} results for {len(entries)} requests"
+                    )
         for i, entry in enumerate(entries):
             for future in entry.live_futures():
                 if error is not None:

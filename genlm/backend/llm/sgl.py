@@ -1,5 +1,419 @@
-"""Placeholder: being written."""
+"""SGLang backend: next-token log-probabilities from an in-process SGLang scheduler.
+
+SGLang's scheduler (`sglang.srt.managers.scheduler.Scheduler`, 0.5.x) runs an
+event loop that repeats `recv_requests` -> `process_input_requests` ->
+`get_next_batch_to_run` -> `run_batch` -> `process_batch_result`, setting
+`cur_batch` before a batch runs and `last_batch` after it. This module drives
+the same methods from the caller's thread, handing `TokenizedGenerateReqInput`s
+straight to `process_input_requests` (no ZMQ). Every request asks for one
+greedy token; its full-vocabulary next-token logits are read from the batch
+result (`logits_output.next_token_logits`, one row per request in
+`batch.reqs`) before `process_batch_result` finishes the request and inserts
+its tokens into SGLang's radix prefix cache, so a later request extending the
+same context only prefills its new tokens. Between calls the scheduler is left
+idle (no waiting or running request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import uuid
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from genlm.backend.batcher import AutoBatcher
+from genlm.backend.cache import OutputCache
+from genlm.backend.llm.base import AsyncLM, check_token_ids
+
+_INSTALL_HINT = "the SGLang backend needs SGLang: pip install 'genlm-backend[sglang]'"
+
+# Queued requests are all handed to the scheduler at once; SGLang splits them into
+# batches itself (max_running_requests, chunked prefill), so this only bounds one drain.
+_MAX_REQUESTS_PER_DRAIN = 4096
+
+# The driver reads logits synchronously from `run_batch`, which the overlap scheduler
+# does not allow; everything else keeps SGLang's defaults.
+DEFAULT_ENGINE_OPTS: dict[str, Any] = {"disable_overlap_schedule": True}
 
 
-class AsyncSGLTransformer:
-    pass
+def _import_sglang_requests() -> SimpleNamespace:
+    try:
+        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+        from sglang.srt.sampling.sampling_params import SamplingParams
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    return SimpleNamespace(
+        AbortReq=AbortReq,
+        TokenizedGenerateReqInput=TokenizedGenerateReqInput,
+        SamplingParams=SamplingParams,
+    )
+
+
+def _import_sglang_engine() -> SimpleNamespace:
+    try:
+        from sglang.srt import server_args
+        from sglang.srt.managers.scheduler import Scheduler
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    return SimpleNamespace(
+        Scheduler=Scheduler,
+        ServerArgs=server_args.ServerArgs,
+        PortArgs=server_args.PortArgs,
+        # Later 0.5.x releases read the server arguments from a process-wide slot
+        # that SGLang's scheduler process fills before building its Scheduler.
+        set_global_server_args=getattr(server_args, "set_global_server_args_for_scheduler", None),
+    )
+
+
+class _DiscardSink:
+    """Replaces the scheduler's output sockets.
+
+    In-process nobody reads them, and a ZMQ socket without a reader would queue
+    every output in memory. Every `send*` method (`send_pyobj`, or the wrapper
+    methods of other SGLang versions) discards its message.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("send"):
+            return _discard
+        raise AttributeError(name)
+
+
+def _discard(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _SchedulerDriver:
+    """Runs one-token requests through an SGLang scheduler, one event-loop step at a time.
+
+    Results are kept by request id until their submitter collects them, so runs
+    that interleave (an async batch waiting between steps while a sync call
+    steps the scheduler) each get their own rows. Steps are serialised by a lock.
+    """
+
+    def __init__(self, scheduler: Any, request_types: SimpleNamespace):
+        self.scheduler = scheduler
+        self._sgl = request_types
+        self._lock = threading.RLock()
+        self._outstanding: set[str] = set()
+        self._results: dict[str, torch.Tensor | BaseException] = {}
+        for socket in ("send_to_detokenizer", "send_to_tokenizer"):
+            if hasattr(scheduler, socket):
+                setattr(scheduler, socket, _DiscardSink())
+
+    def _request(self, rid: str, token_ids: Sequence[int]) -> Any:
+        # Greedy (temperature 0 becomes top-k 1 in SGLang): its sampler then takes an
+        # argmax and leaves `next_token_logits` as the model computed them, whereas
+        # random sampling rescales them in place.
+        params = self._sgl.SamplingParams(max_new_tokens=1, temperature=0.0)
+        params.normalize(self.scheduler.tokenizer)
+        return self._sgl.TokenizedGenerateReqInput(
+            rid=rid,
+            input_text="",
+            input_ids=list(token_ids),
+            mm_inputs=None,
+            sampling_params=params,
+            return_logprob=False,
+            logprob_start_len=-1,
+            top_logprobs_num=0,
+            token_ids_logprob=None,
+            stream=False,
+        )
+
+    def submit(self, token_ids_list: Sequence[Sequence[int]]) -> list[str]:
+        rids = [uuid.uuid4().hex for _ in token_ids_list]
+        requests = [self._request(rid, ids) for rid, ids in zip(rids, token_ids_list, strict=True)]
+        with self._lock:
+            self._outstanding.update(rids)
+            self.scheduler.process_input_requests(requests)
+        return rids
+
+    def step(self) -> bool:
+        """One iteration of the scheduler's event loop; `False` once it is idle."""
+        with self._lock, torch.no_grad():
+            scheduler = self.scheduler
+            try:
+                batch = scheduler.get_next_batch_to_run()
+                scheduler.cur_batch = batch
+                if batch is None:
+                    scheduler.last_batch = None
+                    return False
+                result = scheduler.run_batch(batch)
+                logits = result.logits_output.next_token_logits
+                scheduler.process_batch_result(batch, result)
+            except Exception as exc:
+                self._fail_outstanding(exc)
+                raise
+            scheduler.last_batch = batch
+            self._collect(batch.reqs, logits)
+            return True
+
+    def _collect(self, reqs: Sequence[Any], logits: torch.Tensor) -> None:
+        for row, req in enumerate(reqs):
+            if req.rid not in self._outstanding or not req.finished():
+                continue  # another caller's request, or a prompt still being prefilled in chunks
+            self._outstanding.discard(req.rid)
+            reason = req.finished_reason.to_json()
+            if reason.get("type") == "abort":
+                self._results[req.rid] = RuntimeError(
+                    f"SGLang aborted the request: {reason.get('message', reason)}"
+                )
+            else:
+                self._results[req.rid] = torch.log_softmax(logits[row].float(), dim=-1).clone()
+
+    def _fail_outstanding(self, exc: BaseException) -> None:
+        # The failed batch's state is unknown: drop every request of ours from the
+        # scheduler and forget the batch, as the event loop would never have recorded it.
+        for rid in self._outstanding:
+            self._results[rid] = exc
+        self._outstanding.clear()
+        self.scheduler.cur_batch = None
+        self.scheduler.last_batch = None
+        self.scheduler.abort_request(self._sgl.AbortReq(abort_all=True))
+
+    def drain(self) -> None:
+        """Step until the scheduler is idle."""
+        while self.step():
+            pass
+
+    def collect(self, rids: Sequence[str]) -> list[torch.Tensor]:
+        with self._lock:
+            outcomes = [self._results.pop(rid, None) for rid in rids]
+            self._outstanding.difference_update(rids)
+        for outcome in outcomes:
+            if outcome is None:
+                raise RuntimeError("the SGLang scheduler went idle without finishing a request")
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    def discard(self, rids: Sequence[str]) -> None:
+        """Finish the scheduler's work and drop the results of `rids`."""
+        try:
+            self.drain()
+        except Exception:  # already delivered to the callers of the failed batch
+            pass
+        finally:
+            with self._lock:
+                for rid in rids:
+                    self._results.pop(rid, None)
+                self._outstanding.difference_update(rids)
+
+    def run(self, token_ids_list: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        rids = self.submit(token_ids_list)
+        try:
+            self.drain()
+        except BaseException:
+            self.discard(rids)
+            raise
+        return self.collect(rids)
+
+    async def run_async(self, token_ids_list: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        rids = self.submit(token_ids_list)
+        try:
+            while self.step():
+                await asyncio.sleep(0)  # lets callers join requests that are in flight
+        except BaseException:
+            self.discard(rids)
+            raise
+        return self.collect(rids)
+
+    def flush_prefix_cache(self) -> None:
+        with self._lock:
+            self.drain()
+            if not self.scheduler.flush_cache():
+                raise RuntimeError("SGLang refused to flush its prefix cache")
+
+
+def _rank_kwargs(scheduler_cls: type, gpu_id: int) -> dict[str, Any]:
+    """Single-GPU rank arguments, limited to those this SGLang version's `Scheduler` takes."""
+    ranks = {
+        "gpu_id": gpu_id,
+        "tp_rank": 0,
+        "moe_ep_rank": 0,
+        "pp_rank": 0,
+        "attn_cp_rank": 0,
+        "moe_dp_rank": 0,
+        "dp_rank": None,
+    }
+    accepted = inspect.signature(scheduler_cls).parameters
+    return {name: value for name, value in ranks.items() if name in accepted}
+
+
+class AsyncSGLTransformer(AsyncLM):
+    """Next-token log-probabilities from an in-process SGLang scheduler.
+
+    Concurrent `next_token_logprobs` awaits are queued and handed to the
+    scheduler together; a context whose request is already in flight is not
+    submitted again (its callers share the result). Requests run one scheduler
+    step at a time, yielding to the event loop in between.
+
+    Args:
+        sgl_model: An SGLang `Scheduler` (see `from_name`), built with
+            `disable_overlap_schedule=True` and its tokenizer loaded. This object
+            drives it from now on.
+        cache_size: Entries of the output cache (`0`: no cache).
+        cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`).
+
+    Raises:
+        ImportError: If SGLang is not installed.
+        ValueError: If the scheduler has no tokenizer or uses the overlap scheduler.
+    """
+
+    def __init__(
+        self, sgl_model: Any, cache_size: int = 0, cache_opts: dict[str, Any] | None = None
+    ):
+        request_types = _import_sglang_requests()
+        if getattr(sgl_model, "tokenizer", None) is None:
+            raise ValueError("the SGLang scheduler has no tokenizer: leave skip_tokenizer_init off")
+        if getattr(sgl_model, "enable_overlap", False):
+            raise ValueError(
+                "the SGLang scheduler must be built with disable_overlap_schedule=True"
+            )
+        super().__init__(sgl_model.tokenizer)
+        self.sgl_model = sgl_model
+        self.vocab_size = sgl_model.model_config.vocab_size
+        # SGLang rejects prompts of `max_req_input_len` tokens or more.
+        max_input = getattr(sgl_model, "max_req_input_len", None)
+        self.max_length = None if max_input is None else max_input - 1
+        self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
+        self._driver = _SchedulerDriver(sgl_model, request_types)
+        self._engine_task: asyncio.Task | None = None
+        self._batcher = AutoBatcher(
+            self._evaluate, batch_size=_MAX_REQUESTS_PER_DRAIN, timeout=0.0, key=tuple
+        )
+
+    @classmethod
+    def from_name(
+        cls,
+        model_id: str,
+        engine_opts: dict[str, Any] | None = None,
+        gpu_id: int = 0,
+        **kwargs: Any,
+    ) -> AsyncSGLTransformer:
+        """Build an in-process SGLang scheduler for `model_id`.
+
+        Args:
+            model_id: Hub name or local folder of the model.
+            engine_opts: `ServerArgs` fields overriding `DEFAULT_ENGINE_OPTS`.
+            gpu_id: The GPU the scheduler runs on.
+            **kwargs: Passed to the constructor (`cache_size`, `cache_opts`).
+
+        Returns:
+            The backend, owning the new scheduler.
+
+        Raises:
+            ImportError: If SGLang is not installed.
+        """
+        sgl = _import_sglang_engine()
+        server_args = sgl.ServerArgs(
+            model_path=model_id, **{**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
+        )
+        if sgl.set_global_server_args is not None:
+            sgl.set_global_server_args(server_args)
+        port_args = sgl.PortArgs.init_new(server_args)
+        scheduler = sgl.Scheduler(server_args, port_args, **_rank_kwargs(sgl.Scheduler, gpu_id))
+        return cls(scheduler, **kwargs)
+
+    def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        return check_token_ids(token_ids, self.vocab_size, self.max_length)
+
+    async def _evaluate(self, contexts: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        self._engine_task = asyncio.current_task()
+        try:
+            rows = await self._driver.run_async(contexts)
+        finally:
+            self._engine_task = None
+        for context, row in zip(contexts, rows, strict=True):
+            self.cache[context] = row
+        return rows
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token, batched with concurrent calls.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+            asyncio.CancelledError: If `reset_async_queries()` dropped the query.
+        """
+        context = self._check(token_ids)
+        cached = self.cache.get(context)
+        if cached is not None:
+            return cached
+        return await self._batcher.submit(context)
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Synchronous `next_token_logprobs` (works inside a running event loop too).
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        return self.batch_next_token_logprobs_sync([token_ids])[0]
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Next-token log-probabilities of several contexts in one scheduler run.
+
+        Contexts found in the output cache are not recomputed.
+
+        Args:
+            token_ids_list: The contexts.
+
+        Returns:
+            A 2-D tensor, one row per context, in input order.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        contexts = [self._check(ids) for ids in token_ids_list]
+        if not contexts:
+            return torch.empty((0, self.vocab_size))
+        rows = {c: self.cache[c] for c in dict.fromkeys(contexts) if c in self.cache}
+        missing = [c for c in dict.fromkeys(contexts) if c not in rows]
+        if missing:
+            computed = self._driver.run(missing)
+            for context, row in zip(missing, computed, strict=True):
+                self.cache[context] = row
+                rows[context] = row
+        return torch.stack([rows[c] for c in contexts])
+
+    def clear_cache(self) -> None:
+        """Drop the output cache and flush SGLang's prefix (KV) cache."""
+        self.cache.clear()
+        self.clear_kv_cache()
+
+    def clear_kv_cache(self) -> None:
+        """Flush SGLang's radix prefix cache (after finishing the work in progress).
+
+        Raises:
+            RuntimeError: If SGLang refuses to flush.
+        """
+        self._driver.flush_prefix_cache()
+
+    def reset_async_queries(self) -> None:
+        """Cancel every waiting caller and the batch being computed.
+
+        The scheduler finishes the requests it already holds (their results are
+        dropped), so it is idle and usable afterwards.
+        """
+        self._batcher.reset()
+        task = self._engine_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()

@@ -1,0 +1,194 @@
+"""Tests of the `AsyncLM` base behaviour through `MockAsyncLM`, and of `check_token_ids`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from genlm.backend.llm.base import AsyncLM, MockAsyncLM, check_token_ids
+
+CONTEXTS = [[0], [1, 2, 3], [50256, 11, 290], [3, 2, 1]]
+
+
+@pytest.fixture(scope="module")
+def gpt2_tokenizer(tokenizer_path):
+    return AutoTokenizer.from_pretrained(tokenizer_path("gpt-2"))
+
+
+@pytest.fixture(scope="module")
+def mock(gpt2_tokenizer):
+    return MockAsyncLM(gpt2_tokenizer)
+
+
+# -- the mock's log-probabilities ---------------------------------------------------
+
+
+def test_from_name_loads_only_the_tokenizer(tokenizer_path, gpt2_tokenizer):
+    lm = MockAsyncLM.from_name(str(tokenizer_path("gpt-2")))
+    assert isinstance(lm, AsyncLM)
+    assert lm.vocab_size == len(gpt2_tokenizer) == 50257
+    assert len(lm.byte_vocab) == len(lm.str_vocab) == 50257
+
+
+async def test_logprobs_are_normalised_over_the_vocabulary(mock):
+    for ids in CONTEXTS:
+        row = await mock.next_token_logprobs(ids)
+        assert row.shape == (50257,) and row.dtype == torch.float32
+        # float32 log_softmax over 50k entries: logsumexp within a few ulp of 0
+        assert abs(torch.logsumexp(row.double(), dim=0).item()) < 1e-5
+        assert torch.isfinite(row).all()
+
+
+async def test_same_ids_give_the_same_tensor_across_instances_and_input_types(mock, gpt2_tokenizer):
+    other = MockAsyncLM(gpt2_tokenizer)
+    for ids in CONTEXTS:
+        row = await mock.next_token_logprobs(ids)
+        assert torch.equal(row, await other.next_token_logprobs(tuple(ids)))
+        assert torch.equal(row, other.next_token_logprobs_sync(torch.tensor(ids)))
+        assert torch.equal(row, mock.next_token_logprobs_sync(np.array(ids)))
+
+
+async def test_different_ids_give_different_tensors(mock):
+    rows = [await mock.next_token_logprobs(ids) for ids in CONTEXTS]
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            assert not torch.equal(rows[i], rows[j])
+
+
+def test_same_ids_give_the_same_tensor_in_another_process(mock, tokenizer_path, tmp_path):
+    out = tmp_path / "rows.pt"
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from genlm.backend.llm.base import MockAsyncLM
+        lm = MockAsyncLM.from_name({str(tokenizer_path("gpt-2"))!r})
+        torch.save([lm.next_token_logprobs_sync(ids) for ids in {CONTEXTS!r}], {str(out)!r})
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for ids, row in zip(CONTEXTS, torch.load(out), strict=True):
+        assert torch.equal(row, mock.next_token_logprobs_sync(ids))
+
+
+async def test_batches_stack_rows_in_input_order(mock):
+    expected = torch.stack([mock.next_token_logprobs_sync(ids) for ids in CONTEXTS])
+    assert torch.equal(await mock.batch_next_token_logprobs(CONTEXTS), expected)
+    assert torch.equal(mock.batch_next_token_logprobs_sync(CONTEXTS), expected)
+    reordered = CONTEXTS[::-1]
+    assert torch.equal(mock.batch_next_token_logprobs_sync(reordered), expected.flip(0))
+
+
+def test_clear_cache_is_harmless_and_lora_is_not_supported(mock):
+    mock.clear_cache()
+    for call in (
+        lambda: mock.add_new_lora("path", "name"),
+        lambda: mock.set_lora("path", "name"),
+        mock.clear_lora,
+    ):
+        with pytest.raises(NotImplementedError):
+            call()
+
+
+# -- sampling -----------------------------------------------------------------------
+
+
+async def test_sampling_with_a_seed_is_reproducible(mock):
+    first = await mock.sample([1, 2], max_tokens=6, eos_token_ids=[], seed=11)
+    assert first == await mock.sample([1, 2], max_tokens=6, eos_token_ids=[], seed=11)
+    assert len(first) == 6
+    draws = {tuple(await mock.sample([1, 2], 6, [], seed=s)) for s in range(5)}
+    assert len(draws) > 1  # seeds matter (50k-way draws: collisions essentially impossible)
+
+
+async def test_sampling_stops_at_eos_without_returning_it(mock):
+    full = await mock.sample([1, 2], max_tokens=8, eos_token_ids=[], seed=4)
+    # the last position holding a token's first occurrence: nothing before it is that token
+    stop_at = max(i for i, t in enumerate(full) if t not in full[:i])
+    stopped = await mock.sample([1, 2], max_tokens=8, eos_token_ids=[full[stop_at]], seed=4)
+    assert stopped == full[:stop_at]
+    everything = list(range(mock.vocab_size))
+    assert await mock.sample([1, 2], max_tokens=8, eos_token_ids=everything, seed=4) == []
+
+
+async def test_sampling_respects_max_tokens(mock):
+    assert await mock.sample([5], max_tokens=0, eos_token_ids=[], seed=1) == []
+    assert len(await mock.sample([5], max_tokens=3, eos_token_ids=[], seed=1)) == 3
+
+
+async def test_low_temperature_sampling_follows_the_argmax(mock):
+    context = [7, 8]
+    tokens = await mock.sample(context, max_tokens=4, eos_token_ids=[], temperature=1e-4, seed=0)
+    for token in tokens:
+        assert token == int(mock.next_token_logprobs_sync(context).argmax())
+        context = context + [token]
+
+
+async def test_batch_sample_seeds_prompt_i_with_seed_plus_i(mock):
+    prompts = [[1], [2, 3], [1]]
+    batch = await mock.batch_sample(prompts, max_tokens=3, eos_token_ids=[], seed=20)
+    for i, prompt in enumerate(prompts):
+        assert batch[i] == await mock.sample(prompt, 3, [], seed=20 + i)
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "temperature"), [(-1, 1.0), (1.5, 1.0), (True, 1.0), (3, 0.0), (3, -2.0)]
+)
+async def test_bad_sampling_arguments_are_rejected(mock, max_tokens, temperature):
+    with pytest.raises(ValueError):
+        await mock.sample([1], max_tokens=max_tokens, eos_token_ids=[], temperature=temperature)
+
+
+# -- check_token_ids ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [[3, 1, 4], (3, 1, 4), torch.tensor([3, 1, 4]), np.array([3, 1, 4]), [np.int64(3), 1, 4]],
+)
+def test_check_token_ids_accepts_flat_integer_sequences(token_ids):
+    checked = check_token_ids(token_ids, vocab_size=10)
+    assert checked == (3, 1, 4) and all(type(t) is int for t in checked)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "message"),
+    [
+        ([], "empty"),
+        ([1, -1], "outside the vocabulary"),
+        ([1, 10], "outside the vocabulary"),
+        ([1, 2.0], "not an integer"),
+        ([1, "2"], "not an integer"),
+        ([True], "not an integer"),
+        ([[1, 2]], "not an integer"),
+        (torch.tensor([[1, 2]]), "1-D"),
+        (np.array([[1, 2]]), "1-D"),
+        ("12", "sequence of ints"),
+        (5, "sequence of ints"),
+    ],
+)
+def test_check_token_ids_rejects_bad_contexts(token_ids, message):
+    with pytest.raises(ValueError, match=message):
+        check_token_ids(token_ids, vocab_size=10)
+
+
+def test_check_token_ids_rejects_contexts_longer_than_the_model_accepts():
+    assert check_token_ids([1] * 4, vocab_size=10, max_length=4) == (1,) * 4
+    with pytest.raises(ValueError, match="at most 4"):
+        check_token_ids([1] * 5, vocab_size=10, max_length=4)
+
+
+async def test_the_mock_validates_at_its_boundary(mock):
+    for bad in ([], [50257], [-1], [0.5], torch.tensor([[1, 2]])):
+        with pytest.raises(ValueError):
+            await mock.next_token_logprobs(bad)
+        with pytest.raises(ValueError):
+            mock.next_token_logprobs_sync(bad)

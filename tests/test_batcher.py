@@ -1,0 +1,273 @@
+"""Tests of the shared auto-batcher against fake evaluators that record their batches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from genlm.backend.batcher import AutoBatcher
+
+NEVER = 3600.0  # a timeout no test waits for: only the size trigger or a flush can fire
+HANG_GUARD = 60.0  # wait_for limit that turns a hang into a failure (not a timing check)
+
+
+class Recorder:
+    """A sync evaluator: squares numbers, records each batch, fails on requested values."""
+
+    def __init__(self, fail_on=()):
+        self.batches: list[list] = []
+        self.fail_on = set(fail_on)
+
+    def __call__(self, requests):
+        self.batches.append(list(requests))
+        if self.fail_on & set(requests):
+            raise ValueError(f"bad request in {requests}")
+        return [r * r for r in requests]
+
+
+class AsyncRecorder(Recorder):
+    """An async evaluator that waits for `release` (when given) before answering."""
+
+    def __init__(self, fail_on=(), gate=False):
+        super().__init__(fail_on)
+        self.release = asyncio.Event() if gate else None
+        self.started = asyncio.Event()
+
+    async def __call__(self, requests):
+        self.batches.append(list(requests))
+        self.started.set()
+        if self.release is not None:
+            await self.release.wait()
+        if self.fail_on & set(requests):
+            raise ValueError(f"bad request in {requests}")
+        return [r * r for r in requests]
+
+
+async def gather(*aws):
+    return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), HANG_GUARD)
+
+
+@pytest.fixture(params=["sync", "async"])
+def make_evaluator(request):
+    return Recorder if request.param == "sync" else AsyncRecorder
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        AutoBatcher(Recorder(), batch_size=0)
+    with pytest.raises(ValueError):
+        AutoBatcher(Recorder(), timeout=-1)
+
+
+async def test_size_trigger_runs_a_full_batch_without_waiting(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=3, timeout=NEVER)
+    assert await gather(*(batcher.submit(x) for x in (1, 2, 3))) == [1, 4, 9]
+    assert evaluate.batches == [[1, 2, 3]]
+
+
+async def test_timeout_trigger_runs_a_partial_batch(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001)
+    assert await gather(batcher.submit(2), batcher.submit(3)) == [4, 9]
+    assert evaluate.batches == [[2, 3]]
+
+
+async def test_requests_beyond_batch_size_go_to_later_batches(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=2, timeout=0.001)
+    assert await gather(*(batcher.submit(x) for x in range(5))) == [0, 1, 4, 9, 16]
+    assert sorted(len(b) for b in evaluate.batches) == [1, 2, 2]
+    assert sorted(x for b in evaluate.batches for x in b) == list(range(5))
+
+
+async def test_duplicates_are_evaluated_once_per_batch(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001, key=lambda r: r)
+    assert await gather(*(batcher.submit(x) for x in (5, 6, 5, 5))) == [25, 36, 25, 25]
+    assert evaluate.batches == [[5, 6]]
+
+
+async def test_without_key_every_request_is_evaluated():
+    evaluate = Recorder()
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001)
+    await gather(batcher.submit(5), batcher.submit(5))
+    assert evaluate.batches == [[5, 5]]
+
+
+async def test_duplicate_counts_once_towards_batch_size():
+    evaluate = Recorder()
+    batcher = AutoBatcher(evaluate, batch_size=2, timeout=NEVER, key=lambda r: r)
+    assert await gather(batcher.submit(1), batcher.submit(1), batcher.submit(2)) == [1, 1, 4]
+    assert evaluate.batches == [[1, 2]]
+
+
+async def test_a_request_in_flight_is_joined_not_resubmitted():
+    evaluate = AsyncRecorder(gate=True)
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001, key=lambda r: r)
+    first = asyncio.ensure_future(batcher.submit(7))
+    await asyncio.wait_for(evaluate.started.wait(), HANG_GUARD)
+    joined = asyncio.ensure_future(batcher.submit(7))
+    other = asyncio.ensure_future(batcher.submit(8))
+    await asyncio.sleep(0.01)  # let the second request's timer fire; its batch must wait
+    evaluate.release.set()
+    assert await gather(first, joined, other) == [49, 49, 64]
+    assert evaluate.batches == [[7], [8]]
+
+
+async def test_async_batches_run_one_at_a_time():
+    evaluate = AsyncRecorder(gate=True)
+    batcher = AutoBatcher(evaluate, batch_size=1, timeout=NEVER)
+    tasks = [asyncio.ensure_future(batcher.submit(x)) for x in (1, 2, 3)]
+    await asyncio.wait_for(evaluate.started.wait(), HANG_GUARD)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert evaluate.batches == [[1]]  # the others wait for the running batch
+    evaluate.release.set()
+    assert await gather(*tasks) == [1, 4, 9]
+    assert evaluate.batches == [[1], [2], [3]]
+
+
+async def test_an_exception_reaches_exactly_its_batch(make_evaluator):
+    evaluate = make_evaluator(fail_on={13})
+    batcher = AutoBatcher(evaluate, batch_size=2, timeout=NEVER)
+    failed = await gather(batcher.submit(1), batcher.submit(13))
+    assert all(isinstance(o, ValueError) for o in failed)
+    assert failed[0] is failed[1]  # the evaluator's own exception
+    assert await gather(batcher.submit(2), batcher.submit(3)) == [4, 9]
+    assert evaluate.batches == [[1, 13], [2, 3]]
+
+
+async def test_an_exception_reaches_callers_that_joined_in_flight():
+    evaluate = AsyncRecorder(fail_on={13}, gate=True)
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001, key=lambda r: r)
+    first = asyncio.ensure_future(batcher.submit(13))
+    await asyncio.wait_for(evaluate.started.wait(), HANG_GUARD)
+    joined = asyncio.ensure_future(batcher.submit(13))
+    await asyncio.sleep(0)
+    evaluate.release.set()
+    outcomes = await gather(first, joined)
+    assert all(isinstance(o, ValueError) for o in outcomes)
+    assert await gather(batcher.submit(4)) == [16]
+
+
+async def test_wrong_number_of_results_is_an_error_not_a_hang():
+    batcher = AutoBatcher(lambda requests: [0], batch_size=2, timeout=NEVER)
+    outcomes = await gather(batcher.submit(1), batcher.submit(2))
+    assert all(isinstance(o, RuntimeError) for o in outcomes)
+
+
+async def test_a_non_sequence_result_is_an_error_not_a_hang():
+    async def evaluate(requests):
+        return None
+
+    batcher = AutoBatcher(evaluate, batch_size=2, timeout=NEVER)
+    outcomes = await gather(batcher.submit(1), batcher.submit(2))
+    assert all(isinstance(o, TypeError) for o in outcomes)
+
+
+async def test_a_batched_tensor_result_gives_each_caller_its_row():
+    batcher = AutoBatcher(lambda requests: torch.tensor(requests) * 2, batch_size=2)
+    rows = await gather(batcher.submit([1, 2]), batcher.submit([3, 4]))
+    assert [row.tolist() for row in rows] == [[2, 4], [6, 8]]
+
+
+async def test_cancelled_callers_are_skipped(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001, key=lambda r: r)
+    cancelled = asyncio.ensure_future(batcher.submit(1))
+    shared_cancelled = asyncio.ensure_future(batcher.submit(2))
+    shared_kept = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)  # all three are queued
+    cancelled.cancel()
+    shared_cancelled.cancel()
+    assert await gather(shared_kept) == [4]
+    assert evaluate.batches == [[2]]  # 1 had no caller left; 2 still had one
+    assert cancelled.cancelled() and shared_cancelled.cancelled()
+
+
+async def test_reset_cancels_waiting_callers(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=NEVER)
+    tasks = [asyncio.ensure_future(batcher.submit(x)) for x in (1, 2)]
+    await asyncio.sleep(0)
+    assert batcher.pending == [1, 2]
+    batcher.reset()
+    outcomes = await gather(*tasks)
+    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    assert batcher.pending == [] and evaluate.batches == []
+    batcher.timeout = 0.001
+    assert await gather(batcher.submit(3)) == [9]
+
+
+async def test_reset_cancels_callers_of_a_running_batch():
+    evaluate = AsyncRecorder(gate=True)
+    batcher = AutoBatcher(evaluate, batch_size=1, timeout=NEVER)
+    running = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.wait_for(evaluate.started.wait(), HANG_GUARD)
+    batcher.reset()
+    outcomes = await gather(running)
+    assert isinstance(outcomes[0], asyncio.CancelledError)
+    evaluate.release.set()
+    await asyncio.wait_for(batcher.aclose(), HANG_GUARD)
+    assert await gather(batcher.submit(2)) == [4]
+
+
+def test_successive_event_loops_and_creation_outside_a_loop(make_evaluator):
+    batcher = AutoBatcher(make_evaluator(), batch_size=2, timeout=0.001)
+
+    async def run(values):
+        return await gather(*(batcher.submit(v) for v in values))
+
+    assert asyncio.run(run([1, 2, 3])) == [1, 4, 9]
+    assert asyncio.run(run([4])) == [16]
+
+
+def test_a_run_abandoned_mid_batch_does_not_break_the_next_loop():
+    async def abandon():
+        batcher.timeout = NEVER
+        asyncio.ensure_future(batcher.submit(1))  # left queued when the loop ends
+        await asyncio.sleep(0)
+
+    async def use():
+        batcher.timeout = 0.001
+        return await gather(batcher.submit(2))
+
+    batcher = AutoBatcher(Recorder(), batch_size=10, timeout=NEVER)
+    asyncio.run(abandon())
+    assert asyncio.run(use()) == [4]
+
+
+async def test_flush_evaluates_everything_queued_synchronously():
+    evaluate = Recorder()
+    batcher = AutoBatcher(evaluate, batch_size=2, timeout=NEVER)
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(3)]
+    for value, future in zip((1, 2, 3), futures, strict=True):
+        batcher.add(value, future)
+    assert [f.result() for f in futures[:2]] == [1, 4]  # the size trigger ran [1, 2]
+    assert not futures[2].done()
+    batcher.flush()
+    assert futures[2].result() == 9
+    assert evaluate.batches == [[1, 2], [3]]
+    batcher.flush()  # nothing queued: no call
+    assert len(evaluate.batches) == 2
+
+
+async def test_flush_needs_a_sync_evaluator():
+    batcher = AutoBatcher(AsyncRecorder())
+    with pytest.raises(TypeError):
+        batcher.flush()
+
+
+async def test_batch_size_and_timeout_can_change_between_calls(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=10, timeout=NEVER)
+    batcher.batch_size = 2
+    assert await gather(batcher.submit(1), batcher.submit(2)) == [1, 4]
+    batcher.batch_size = 3
+    batcher.timeout = 0.001
+    assert await gather(*(batcher.submit(x) for x in (3, 4, 5, 6))) == [9, 16, 25, 36]
+    assert evaluate.batches == [[1, 2], [3, 4, 5], [6]]

@@ -1,0 +1,107 @@
+"""Tests of `OutputCache`, the bounded LRU map from token-id tuples to tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genlm.backend.cache import OutputCache
+
+
+def tensor(value):
+    return torch.full((3,), float(value))
+
+
+def test_get_set_contains_len_and_clear():
+    cache = OutputCache(maxsize=4)
+    assert len(cache) == 0 and (1, 2) not in cache and cache.get((1, 2)) is None
+    cache[(1, 2)] = tensor(1)
+    cache[(3,)] = tensor(2)
+    assert (1, 2) in cache and (3,) in cache and len(cache) == 2
+    assert torch.equal(cache[(1, 2)], tensor(1))
+    assert torch.equal(cache.get((3,)), tensor(2))
+    with pytest.raises(KeyError):
+        cache[(9,)]
+    cache.clear()
+    assert len(cache) == 0 and (1, 2) not in cache
+
+
+def test_overwriting_a_key_keeps_one_entry():
+    cache = OutputCache(maxsize=2)
+    cache[(1,)] = tensor(1)
+    cache[(1,)] = tensor(5)
+    assert len(cache) == 1 and torch.equal(cache[(1,)], tensor(5))
+
+
+def test_evicts_the_least_recently_used():
+    cache = OutputCache(maxsize=2)
+    cache[(1,)] = tensor(1)
+    cache[(2,)] = tensor(2)
+    cache[(1,)]  # reading makes (1,) the most recent
+    cache[(3,)] = tensor(3)
+    assert (1,) in cache and (3,) in cache and (2,) not in cache
+    cache.get((1,))
+    cache[(4,)] = tensor(4)
+    assert set(k for k in [(1,), (3,), (4,)] if k in cache) == {(1,), (4,)}
+    assert len(cache) == 2
+
+
+def test_writing_refreshes_recency():
+    cache = OutputCache(maxsize=2)
+    cache[(1,)] = tensor(1)
+    cache[(2,)] = tensor(2)
+    cache[(1,)] = tensor(10)
+    cache[(3,)] = tensor(3)
+    assert (2,) not in cache and torch.equal(cache[(1,)], tensor(10))
+
+
+def test_membership_does_not_refresh_recency():
+    cache = OutputCache(maxsize=2)
+    cache[(1,)] = tensor(1)
+    cache[(2,)] = tensor(2)
+    assert (1,) in cache
+    cache[(3,)] = tensor(3)
+    assert (1,) not in cache
+
+
+def test_never_grows_past_maxsize():
+    cache = OutputCache(maxsize=5)
+    for i in range(100):
+        cache[(i,)] = tensor(i)
+        assert len(cache) <= 5
+    assert [k for k in [(i,) for i in range(100)] if k in cache] == [(i,) for i in range(95, 100)]
+
+
+def test_maxsize_zero_keeps_nothing():
+    cache = OutputCache(maxsize=0)
+    cache[(1,)] = tensor(1)
+    assert len(cache) == 0 and (1,) not in cache and cache.get((1,)) is None
+
+
+def test_negative_maxsize_is_rejected():
+    with pytest.raises(ValueError):
+        OutputCache(maxsize=-1)
+
+
+def test_move_to_cpu_round_trips_values_on_cpu():
+    cache = OutputCache(maxsize=2, move_to_cpu=True)
+    value = torch.randn(4, generator=torch.Generator().manual_seed(0))
+    cache[(1,)] = value
+    out = cache[(1,)]
+    assert out.device.type == "cpu" and torch.equal(out, value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_move_to_cpu_stores_on_cpu_and_returns_on_the_original_device():
+    cache = OutputCache(maxsize=2, move_to_cpu=True)
+    before = torch.cuda.memory_allocated()
+    value = torch.randn(1 << 20, device="cuda")
+    expected = value.cpu()
+    cache[(1,)] = value
+    del value
+    assert torch.cuda.memory_allocated() == before  # the entry holds no GPU memory
+    out = cache[(1,)]
+    assert out.device.type == "cuda" and torch.equal(out.cpu(), expected)
+    plain = OutputCache(maxsize=2)
+    plain[(1,)] = out
+    assert plain[(1,)].device.type == "cuda"

@@ -1,5 +1,129 @@
-"""Placeholder: being written."""
+"""`AsyncTokenCharacterTrie`: concurrent trie reductions served by batched calls."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from genlm.backend.batcher import AutoBatcher
+from genlm.backend.trie.base import TokenCharacterTrie
+from genlm.backend.trie.parallel import ParallelTokenCharacterTrie
+
+_BACKENDS = {"sequential": TokenCharacterTrie, "parallel": ParallelTokenCharacterTrie}
 
 
 class AsyncTokenCharacterTrie:
-    pass
+    """Awaitable `weight_sum` / `weight_max` whose concurrent calls share one batched call.
+
+    Each operation has its own `AutoBatcher`: requests that arrive while the
+    event loop is busy (for example from many `asyncio.gather`-ed samplers) are
+    evaluated together by one `batch_weight_sum` / `batch_weight_max` call on
+    the underlying trie, when `batch_size` are waiting or after `timeout`
+    seconds, whichever is first. The batch runs inline in the event loop.
+    Weight vectors are validated when submitted, so a wrong-length vector fails
+    only its own caller; an exception raised by a batched call reaches every
+    caller of that batch, and later calls still work. A caller that cancels
+    its await does not disturb the others. A weight vector is read when its
+    batch runs (it is not copied): do not modify it before the await returns.
+
+    It may be created outside a running event loop and used inside one, and by
+    successive `asyncio.run` calls.
+
+    Args:
+        trie: The trie whose reductions are batched.
+        batch_size: Number of waiting requests that triggers a batch.
+        timeout: Seconds after the first waiting request that trigger a batch.
+            The default 0 batches the requests made in the same event-loop turn.
+
+    Attributes:
+        trie: The underlying trie.
+    """
+
+    def __init__(self, trie: TokenCharacterTrie, batch_size: int = 64, timeout: float = 0.0):
+        self.trie = trie
+        self._sum = AutoBatcher(self._batch_sum, batch_size=batch_size, timeout=timeout)
+        self._max = AutoBatcher(self._batch_max, batch_size=batch_size, timeout=timeout)
+
+    @classmethod
+    def from_vocab(
+        cls, vocab: Sequence, backend: str = "parallel", **kwargs: Any
+    ) -> AsyncTokenCharacterTrie:
+        """Build the trie of a vocabulary and wrap it.
+
+        Args:
+            vocab: The vocabulary items (see `TokenCharacterTrie`).
+            backend: `"parallel"` (`ParallelTokenCharacterTrie`) or `"sequential"`
+                (`TokenCharacterTrie`).
+            **kwargs: Passed to the trie's constructor (e.g. `device` for `"parallel"`).
+
+        Returns:
+            The asynchronous trie.
+
+        Raises:
+            ValueError: If `backend` is not one of the two.
+        """
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        return cls(_BACKENDS[backend](vocab, **kwargs))
+
+    def _batch_sum(self, rows: list) -> list[np.ndarray]:
+        return list(self.trie.batch_weight_sum(rows))
+
+    def _batch_max(self, rows: list) -> list[np.ndarray]:
+        return list(self.trie.batch_weight_max(rows))
+
+    def start(self) -> None:
+        """Nothing to do: batching starts lazily with the first request in a running loop.
+
+        Kept so that code written for a background-task design can call it.
+        """
+
+    async def weight_sum(self, ws: Any) -> np.ndarray:
+        """For every node, the sum of the weights of the items below it (batched).
+
+        Args:
+            ws: One weight per item (numpy array or torch tensor).
+
+        Returns:
+            A float64 array with one value per node.
+
+        Raises:
+            ValueError: If `ws` does not hold one weight per item.
+        """
+        return await self._sum.submit(self.trie._vector(ws))
+
+    async def mass_sum(self, ws: Any) -> np.ndarray:
+        """An older name of `weight_sum`."""
+        return await self.weight_sum(ws)
+
+    async def weight_max(self, ws: Any) -> np.ndarray:
+        """For every node, the max of the weights of the items below it (batched).
+
+        Args:
+            ws: One weight per item (numpy array or torch tensor).
+
+        Returns:
+            A float64 array with one value per node.
+
+        Raises:
+            ValueError: If `ws` does not hold one weight per item.
+        """
+        return await self._max.submit(self.trie._vector(ws))
+
+    async def cleanup(self) -> None:
+        """Cancel every waiting request (their callers get `CancelledError`)."""
+        for batcher in (self._sum, self._max):
+            await batcher.aclose()
+
+    def shutdown(self) -> None:
+        """Cancel every waiting request, without awaiting (callable outside a loop)."""
+        for batcher in (self._sum, self._max):
+            batcher.reset()
+
+    async def __aenter__(self) -> AsyncTokenCharacterTrie:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.cleanup()

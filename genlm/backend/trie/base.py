@@ -1,5 +1,706 @@
-"""Placeholder: being written."""
+"""`TokenCharacterTrie`: a vocabulary's byte strings as a trie, and reductions over it.
+
+Layout. Items are sorted by their symbol strings and the trie's nodes are
+numbered in depth-first (pre-)order of that sorted trie, so the items below any
+node form one contiguous range of the sorted items. A node's value (the sum or
+the max of the weights of the items below it) is therefore a reduction over a
+range, and many nodes share a range: a node with a single child has its
+child's range. Only the branching nodes ("groups") need computing; every other
+node copies the value of an item or of a group.
+
+Reduction plan (`_ReductionPlan`). Groups are computed in at most two levels.
+A level sees a row of already computed values (level 0: the items in sorted
+order; level 1: the largest computed entities, which tile the items) and
+finishes every remaining group that spans fewer than `2**bits` of them, from
+doubling tables `T_b[i] = reduce(row[i : i + 2**b])`: a span of length `r` is
+the disjoint union of windows of the sizes of the set bits of `r`. The tables
+are dense element-wise passes, the windows are gathers, so a level costs a few
+vectorised operations whatever the shape of the trie, and the sums stay exact
+to floating-point rounding (no prefix-sum differences). The plan is plain index
+arrays; `TokenCharacterTrie` runs it with numpy, `ParallelTokenCharacterTrie`
+with torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlm.backend.tokenization.token import Token
+
+# Window sizes of the first level: 2**0 .. 2**(_FIRST_LEVEL_BITS - 1) items. Small groups
+# (most of them) finish there; the second level finishes the rest over a much shorter row.
+_FIRST_LEVEL_BITS = 6
+_FIRST_FREE_CODE = 256
+
+
+# --------------------------------------------------------------------------- items
+
+
+def _item_symbols(item: Any, position: int) -> tuple[Sequence, Hashable]:
+    """The symbol sequence of a vocabulary item and its key in `word2leaf`."""
+    if isinstance(item, Token):
+        byte_string = bytes(item)
+        return byte_string, (byte_string, item.token_id)
+    if isinstance(item, bytes):
+        return item, item
+    if isinstance(item, bytearray | memoryview):
+        byte_string = bytes(item)
+        return byte_string, byte_string
+    try:
+        symbols = tuple(item)
+    except TypeError:
+        raise TypeError(
+            f"decode[{position}] = {item!r} is not a Token, bytes or an iterable of symbols"
+        ) from None
+    try:
+        hash(item)
+        key = item
+    except TypeError:
+        key = symbols
+    return symbols, key
+
+
+class _SymbolCodes:
+    """Maps symbols to integer codes: byte values to themselves, others to 256, 257, ..."""
+
+    def __init__(self) -> None:
+        self.code_of: dict[Hashable, int] = {b: b for b in range(256)}
+        self.symbol_of: list[Hashable] = list(range(256))
+
+    def encode(self, symbols: Sequence, position: int) -> str:
+        """The symbols as a string of code points, one per symbol (sortable, prefix-preserving)."""
+        codes = []
+        for symbol in symbols:
+            try:
+                code = self.code_of.get(symbol)
+            except TypeError:
+                raise TypeError(
+                    f"decode[{position}] holds an unhashable symbol {symbol!r}"
+                ) from None
+            if code is None:
+                code = len(self.symbol_of)
+                if code >= 0xD800:  # skip the surrogate range, which UTF-32 cannot encode
+                    code += 0x800
+                self.code_of[symbol] = code
+                self.symbol_of.append(symbol)
+            codes.append(code)
+        return "".join(map(chr, codes))
+
+    def symbol(self, code: int) -> Hashable:
+        if code < 0xD800:
+            return self.symbol_of[code]
+        return self.symbol_of[code - 0x800]
+
+
+def _symbol_keys(decode: list) -> tuple[list[bytes], int, _SymbolCodes | None, list[Hashable]]:
+    """Fixed-width big-endian byte keys of every item (one code per `width` bytes).
+
+    Returns the keys, the width (1 when every symbol is a byte value, else 4),
+    the symbol codes used for width 4, and the `word2leaf` keys.
+    """
+    symbol_lists, word_keys = [], []
+    for position, item in enumerate(decode):
+        symbols, key = _item_symbols(item, position)
+        symbol_lists.append(symbols)
+        word_keys.append(key)
+    if all(isinstance(symbols, bytes) for symbols in symbol_lists):
+        return symbol_lists, 1, None, word_keys
+    codes = _SymbolCodes()
+    texts = [
+        symbols.decode("latin-1") if isinstance(symbols, bytes) else codes.encode(symbols, position)
+        for position, symbols in enumerate(symbol_lists)
+    ]
+    if len(codes.symbol_of) == _FIRST_FREE_CODE:  # iterables of byte values only
+        return [text.encode("latin-1") for text in texts], 1, None, word_keys
+    return [text.encode("utf-32-be") for text in texts], 4, codes, word_keys
+
+
+# --------------------------------------------------------------------------- sorted trie
+
+
+class _MinTable:
+    """Sparse table of range minima of an int array, for "next/previous smaller" queries."""
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+        self.levels = [values]
+        step = 1
+        while 2 * step <= len(values):
+            previous = self.levels[-1]
+            self.levels.append(np.minimum(previous[:-step], previous[step:]))
+            step *= 2
+
+    def previous_smaller(self, positions: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+        """For each position p, the largest q < p with values[q] < threshold, or -1."""
+        start = positions.copy()  # invariant: values[start:p] >= threshold
+        for level in range(len(self.levels) - 1, -1, -1):
+            step = 1 << level
+            candidate = start - step
+            inside = candidate >= 0
+            table = self.levels[level]
+            move = inside & (table[np.where(inside, candidate, 0)] >= thresholds)
+            start = np.where(move, candidate, start)
+        return start - 1
+
+    def next_smaller(self, positions: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+        """For each position p, the smallest q >= p with values[q] < threshold, or len(values)."""
+        size = len(self.values)
+        end = np.minimum(positions, size)  # invariant: values[p:end] >= threshold
+        for level in range(len(self.levels) - 1, -1, -1):
+            step = 1 << level
+            inside = end + step <= size
+            table = self.levels[level]
+            move = inside & (table[np.where(inside, end, 0)] >= thresholds) if size else inside
+            end = np.where(move, end + step, end)
+        return end
+
+
+def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments of the given lengths laid end to end: segment index and offset of each slot."""
+    segment = np.repeat(np.arange(len(counts)), counts)
+    first = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
+    return segment, np.arange(len(segment)) - first[segment]
+
+
+@dataclass
+class _SortedTrie:
+    """The trie as arrays, nodes in pre-order of the sorted items.
+
+    Attributes:
+        order: `order[r]` is the position in `decode` of the item of sorted rank r.
+        keys: The items' keys (see `_symbol_keys`) in sorted order.
+        codes: The symbol codes of all sorted keys, end to end; key r starts at `key_starts[r]`.
+        parent, depth, is_leaf: Per node (the root's parent is -1; a leaf is one deeper
+            than its item has symbols).
+        rank: Per node, the rank of the item whose insertion created it: the first item
+            below it.
+        leaf_of_rank: The leaf of each item, by rank.
+        hi: Per node, one past the rank of the last item below it.
+    """
+
+    order: np.ndarray
+    keys: list[bytes]
+    codes: np.ndarray
+    key_starts: np.ndarray
+    parent: np.ndarray
+    depth: np.ndarray
+    rank: np.ndarray
+    is_leaf: np.ndarray
+    leaf_of_rank: np.ndarray
+    hi: np.ndarray
+
+
+def _sort_trie(keys: list[bytes], width: int) -> _SortedTrie:
+    size = len(keys)
+    order = np.array(sorted(range(size), key=keys.__getitem__), dtype=np.int64)
+    sorted_keys = [keys[i] for i in order.tolist()]
+    dtype = np.uint8 if width == 1 else np.dtype(">u4")
+    codes = np.frombuffer(b"".join(sorted_keys), dtype=dtype).astype(np.int64)
+    lengths = np.fromiter(map(len, sorted_keys), dtype=np.int64, count=size) // width
+    key_starts = np.zeros(size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=key_starts[1:])
+
+    # Longest common prefix of consecutive sorted keys: first mismatching code.
+    lcp = np.zeros(size, dtype=np.int64)
+    if size > 1:
+        shared = np.minimum(lengths[:-1], lengths[1:])
+        pair, offset = _segments(shared)
+        mismatch = np.flatnonzero(
+            codes[key_starts[:-1][pair] + offset] != codes[key_starts[1:][pair] + offset]
+        )
+        lcp[1:] = shared
+        first = np.ones(len(mismatch), dtype=bool)
+        first[1:] = pair[mismatch[1:]] != pair[mismatch[:-1]]
+        lcp[1 + pair[mismatch[first]]] = offset[mismatch[first]]
+
+    # Item r creates the nodes at depths lcp[r]+1 .. len[r], then its leaf.
+    new_nodes = lengths - lcp
+    created = new_nodes + 1
+    first_id = np.ones(size, dtype=np.int64)
+    np.cumsum(created[:-1], out=first_id[1:])
+    first_id[1:] += 1
+    num_nodes = 1 + int(created.sum())
+
+    # The node at depth lcp[r] on item r's path was created by the last earlier
+    # item that shares fewer than lcp[r] symbols with its predecessor.
+    ranks = np.arange(size, dtype=np.int64)
+    table = _MinTable(lcp)
+    creator = table.previous_smaller(ranks, lcp)
+    creator_safe = np.maximum(creator, 0)
+    anchor = np.where(lcp == 0, 0, first_id[creator_safe] + lcp - lcp[creator_safe] - 1)
+
+    rank = np.zeros(num_nodes, dtype=np.int64)
+    rank[1:] = np.repeat(ranks, created)
+    offset = np.arange(num_nodes - 1) - np.repeat(first_id - 1, created)
+    is_leaf = np.zeros(num_nodes, dtype=bool)
+    is_leaf[1:] = offset == np.repeat(new_nodes, created)
+    depth = np.zeros(num_nodes, dtype=np.int64)
+    depth[1:] = np.repeat(lcp, created) + 1 + offset
+    parent = np.full(num_nodes, -1, dtype=np.int64)
+    parent[1:] = np.where(offset == 0, np.repeat(anchor, created), np.arange(num_nodes - 1))
+    leaf_of_rank = np.flatnonzero(is_leaf)
+
+    # A node at depth d created by item r covers items r .. up to the next item
+    # sharing fewer than d symbols with its predecessor.
+    hi = table.next_smaller(rank + 1, depth)
+    hi[is_leaf] = rank[is_leaf] + 1
+    hi[0] = size
+    return _SortedTrie(
+        order=order,
+        keys=sorted_keys,
+        codes=codes,
+        key_starts=key_starts,
+        parent=parent,
+        depth=depth,
+        rank=rank,
+        is_leaf=is_leaf,
+        leaf_of_rank=leaf_of_rank,
+        hi=hi,
+    )
+
+
+# --------------------------------------------------------------------------- reduction plan
+
+
+@dataclass
+class _PlanLevel:
+    """One level of a reduction plan (see the module docstring).
+
+    Attributes:
+        row: Slots of the values the level reduces over, or `None` for the items.
+        start, stop: The level writes group slots `num_items + start .. num_items + stop`.
+        bits: For each window size `2**b`: (groups whose first window it is, their window
+            starts, groups that add it to their value, their window starts); groups are
+            numbered from `start`.
+    """
+
+    row: np.ndarray | None
+    start: int
+    stop: int
+    bits: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+@dataclass
+class _ReductionPlan:
+    """Index arrays that compute every node's value from the item weights.
+
+    Attributes:
+        num_items: Number of items.
+        perm: `perm[r]` is the index in `decode` of the item of sorted rank r.
+        num_groups: Number of branching nodes (values computed by the levels).
+        levels: The levels, in order.
+        node_slot: For every node, where its value is: `< num_items` an item's rank,
+            else `num_items +` a group number.
+    """
+
+    num_items: int
+    perm: np.ndarray
+    num_groups: int
+    levels: list[_PlanLevel]
+    node_slot: np.ndarray
+
+
+def _level_bits(
+    first: np.ndarray, span: np.ndarray, bits: int
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Window terms of spans `[first, first + span)`: one window per set bit, low bits first."""
+    terms = []
+    for b in range(bits):
+        has_bit = ((span >> b) & 1).astype(bool)
+        lower = span & ((1 << b) - 1)
+        opens = np.flatnonzero(has_bit & (lower == 0))
+        adds = np.flatnonzero(has_bit & (lower != 0))
+        terms.append((opens, first[opens], adds, first[adds] + lower[adds]))
+    return terms
+
+
+def _plan(trie: _SortedTrie, num_items: int) -> _ReductionPlan:
+    num_nodes = len(trie.parent)
+    num_children = np.bincount(trie.parent[1:], minlength=num_nodes)
+    groups = np.flatnonzero(num_children >= 2)
+    group_lo, group_hi = trie.rank[groups], trie.hi[groups]
+    num_groups = len(groups)
+
+    # Nearest branching ancestor of every node: constant along single-child chains,
+    # which are runs of consecutive ids in pre-order.
+    node_ids = np.arange(num_nodes)
+    chain_child = np.zeros(num_nodes, dtype=bool)
+    chain_child[1:] = num_children[trie.parent[1:]] == 1
+    chain_top = np.maximum.accumulate(np.where(chain_child, 0, node_ids))
+    branching_ancestor = trie.parent[chain_top]
+    group_of_node = np.full(num_nodes, -1, dtype=np.int64)
+    group_of_node[groups] = np.arange(num_groups)
+
+    # Entities: items 0..L-1 (by rank), then groups L.. ; each with range and parent group.
+    entity_lo = np.concatenate([np.arange(num_items), group_lo])
+    entity_parent = np.concatenate(
+        [branching_ancestor[trie.leaf_of_rank], branching_ancestor[groups]]
+    )
+    entity_parent = np.where(entity_parent >= 0, group_of_node[np.maximum(entity_parent, 0)], -1)
+
+    # Choose the levels: which groups each finishes, over which row.
+    computed = np.zeros(num_items + num_groups, dtype=bool)
+    computed[:num_items] = True
+    specs = []  # (groups, span starts, span lengths, bits, row entities or None)
+    remaining, first, span, row = np.arange(num_groups), group_lo, group_hi - group_lo, None
+    while len(remaining):
+        bits = int(span.max()).bit_length()
+        if row is None:
+            bits = min(bits, _FIRST_LEVEL_BITS)
+        finish = span < (1 << bits)
+        specs.append((remaining[finish], first[finish], span[finish], bits, row))
+        computed[num_items + remaining[finish]] = True
+        remaining = remaining[~finish]
+        if len(remaining):
+            # Next row: the computed entities whose parent group is not computed; they tile
+            # the items, and each remaining group spans a run of them.
+            parent_computed = computed[num_items + np.maximum(entity_parent, 0)]
+            row = np.flatnonzero(computed & ~(parent_computed & (entity_parent >= 0)))
+            row = row[np.argsort(entity_lo[row], kind="stable")]
+            row_lo = entity_lo[row]
+            first = np.searchsorted(row_lo, group_lo[remaining])
+            span = np.searchsorted(row_lo, group_hi[remaining]) - first
+
+    # Number the groups level by level, so that each level writes one contiguous block.
+    group_number = np.zeros(num_groups + 1, dtype=np.int64)  # one spare for masked lookups
+    bounds = np.cumsum([0] + [len(spec[0]) for spec in specs])
+    for (members, *_), start in zip(specs, bounds[:-1], strict=True):
+        group_number[members] = start + np.arange(len(members))
+
+    def slot_of_entity(entities: np.ndarray) -> np.ndarray:
+        group_slot = num_items + group_number[np.maximum(entities - num_items, 0)]
+        return np.where(entities < num_items, entities, group_slot)
+
+    plan_levels = [
+        _PlanLevel(
+            row=None if row is None else slot_of_entity(row),
+            start=int(start),
+            stop=int(stop),
+            bits=_level_bits(first, span, bits),
+        )
+        for (_, first, span, bits, row), start, stop in zip(
+            specs, bounds[:-1], bounds[1:], strict=True
+        )
+    ]
+
+    # Every node shows the value of the first non-chain node at or below it.
+    not_chain = np.where(num_children != 1, node_ids, num_nodes)
+    representative = np.minimum.accumulate(not_chain[::-1])[::-1]
+    rep_group = group_of_node[representative]
+    node_slot = np.where(
+        rep_group >= 0,
+        num_items + group_number[np.maximum(rep_group, 0)],
+        trie.rank[representative],
+    )
+    return _ReductionPlan(
+        num_items=num_items,
+        perm=trie.order,
+        num_groups=num_groups,
+        levels=plan_levels,
+        node_slot=node_slot,
+    )
+
+
+def _run_plan(plan: _ReductionPlan, weights: np.ndarray, op: np.ufunc) -> np.ndarray:
+    """Every node's value for each row of `weights` (float64, shape `(batch, num_items)`).
+
+    Rows are processed one at a time, in buffers allocated once, so that a row's
+    working values stay in the CPU cache.
+    """
+    size = plan.num_items
+    out = np.empty((len(weights), len(plan.node_slot)))
+    values = np.empty(size + plan.num_groups)
+    tables = np.empty((2, size))
+    for weight_row, out_row in zip(weights, out, strict=True):
+        np.take(weight_row, plan.perm, out=values[:size])
+        for level in plan.levels:
+            table = values[:size] if level.row is None else values[level.row]
+            block = values[size + level.start : size + level.stop]
+            for b, (opens, open_at, adds, add_at) in enumerate(level.bits):
+                if b:
+                    half = 1 << (b - 1)
+                    next_table = tables[b % 2, : len(table) - half]
+                    table = op(table[:-half], table[half:], out=next_table)
+                block[opens] = table[open_at]
+                block[adds] = op(block[adds], table[add_at])
+        np.take(values, plan.node_slot, out=out_row)
+    return out
+
+
+# --------------------------------------------------------------------------- public class
+
+
+class _PrefixMap(Mapping):
+    """Read-only map node id -> the symbols on the path from the root, computed on access.
+
+    A prefix is `bytes` when all its symbols are byte values, else a tuple of symbols.
+    """
+
+    def __init__(
+        self,
+        sorted_keys: list[bytes],
+        width: int,
+        codes: _SymbolCodes | None,
+        rank: np.ndarray,
+        length: np.ndarray,
+    ):
+        self._keys = sorted_keys
+        self._width = width
+        self._codes = codes
+        self._rank = rank
+        self._length = length
+
+    def __getitem__(self, node: int) -> bytes | tuple:
+        if isinstance(node, bool) or not isinstance(node, int | np.integer):
+            raise KeyError(node)
+        if not 0 <= node < len(self._rank):
+            raise KeyError(node)
+        if not self._keys:
+            return b""
+        key = self._keys[self._rank[node]][: self._length[node] * self._width]
+        if self._width == 1:
+            return key
+        codes = np.frombuffer(key, dtype=">u4")
+        if codes.size == 0 or codes.max() < 256:
+            return bytes(codes.astype(np.uint8))
+        return tuple(self._codes.symbol(int(code)) for code in codes)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._rank)))
+
+    def __len__(self) -> int:
+        return len(self._rank)
+
+
+def _symbol_label(symbol: Hashable) -> str:
+    if isinstance(symbol, int) and 0 <= symbol < 256:
+        char = chr(symbol)
+        if char.isprintable() and char.isascii() and char not in "\\\"' ":
+            return char
+        return {32: "␣"}.get(symbol, f"0x{symbol:02X}")
+    return repr(symbol).replace("\\", "\\\\")
+
+
+def _as_numpy(ws: Any) -> Any:
+    """A torch tensor (any device) as a numpy array; anything else unchanged.
+
+    Dtype conversion is left to numpy: a torch conversion would start torch's
+    thread pool for a job one core does fast.
+    """
+    if not isinstance(ws, torch.Tensor):
+        return ws
+    tensor = ws.detach().cpu()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+        tensor = tensor.float()
+    return tensor.numpy()
 
 
 class TokenCharacterTrie:
-    pass
+    """A trie over the symbol strings of a vocabulary, with weight reductions per node.
+
+    Every item of `decode` (a `Token`, plain `bytes`, or any iterable of
+    hashable symbols, such as an end-of-sequence object) is a path of symbols
+    from the root, ending in a leaf of its own. Position `i` of a weight vector
+    belongs to `decode[i]`.
+
+    Attributes:
+        decode: The vocabulary, as given.
+        root: Node id of the empty prefix (0).
+        children: List indexed by node id of dicts `symbol -> child node id`; the
+            item `decode[i]` ends in its own leaf, reached by the edge `(None, i)`.
+            Byte symbols are ints.
+        word2leaf: Item key -> leaf id; the key is `(byte_string, token_id)` for a
+            `Token` and the item itself otherwise (a tuple of its symbols if the
+            item is unhashable).
+        leaf2word: Leaf id -> item key (the inverse of `word2leaf`).
+        node2prefix: Read-only mapping node id -> the symbols on the path from the
+            root: `bytes` when they are all byte values, else a tuple of symbols.
+            A leaf's prefix is its item's symbols.
+
+    Node ids follow a depth-first order of the items sorted by their symbols, so
+    the items below a node are contiguous in that order; the reductions are
+    vectorised (see the module docstring) and return float64 arrays.
+
+    Args:
+        decode: The vocabulary items.
+
+    Raises:
+        ValueError: If two items have the same key (duplicates).
+        TypeError: If an item is not bytes or an iterable of hashable symbols.
+    """
+
+    def __init__(self, decode: Sequence):
+        self.decode = list(decode)
+        keys, width, codes, word_keys = _symbol_keys(self.decode)
+        self._check_duplicates(word_keys)
+        trie = _sort_trie(keys, width)
+        self.root = 0
+        self.children = self._children(trie, width, codes)
+        leaf_of_item = np.empty(len(self.decode), dtype=np.int64)
+        leaf_of_item[trie.order] = trie.leaf_of_rank
+        leaf_ids = leaf_of_item.tolist()
+        self.word2leaf = dict(zip(word_keys, leaf_ids, strict=True))
+        self.leaf2word = dict(zip(leaf_ids, word_keys, strict=True))
+        prefix_length = trie.depth - trie.is_leaf
+        self.node2prefix = _PrefixMap(trie.keys, width, codes, trie.rank, prefix_length)
+        self._plan = _plan(trie, len(self.decode))
+
+    @staticmethod
+    def _check_duplicates(word_keys: list[Hashable]) -> None:
+        first_position: dict[Hashable, int] = {}
+        for position, key in enumerate(word_keys):
+            earlier = first_position.setdefault(key, position)
+            if earlier != position:
+                raise ValueError(
+                    f"duplicate vocabulary item: decode[{earlier}] and decode[{position}] "
+                    f"are both {key!r}; every item must be distinct"
+                )
+
+    @staticmethod
+    def _children(trie: _SortedTrie, width: int, codes: _SymbolCodes | None) -> list[dict]:
+        children: list[dict] = [{} for _ in range(len(trie.parent))]
+        inner = np.flatnonzero(~trie.is_leaf)[1:]
+        code_at = trie.key_starts[trie.rank[inner]] + trie.depth[inner] - 1
+        symbols = trie.codes[code_at].tolist()
+        if width != 1:
+            symbols = [code if code < 256 else codes.symbol(code) for code in symbols]
+        leaves = trie.leaf_of_rank
+        leaf_edges = [(None, i) for i in trie.order.tolist()]
+        for nodes, keys in ((inner, symbols), (leaves, leaf_edges)):
+            if len(nodes):
+                parents = itemgetter(*trie.parent[nodes].tolist())(children)
+                if len(nodes) == 1:
+                    parents = (parents,)
+                for parent, key, node in zip(parents, keys, nodes.tolist(), strict=True):
+                    parent[key] = node
+        return children
+
+    # ------------------------------------------------------------------ weights
+
+    def _vector(self, ws: Any) -> np.ndarray:
+        """`ws` as a 1-D float64 numpy array of the vocabulary's length."""
+        array = np.asarray(_as_numpy(ws), dtype=np.float64)
+        if array.shape != (len(self.decode),):
+            raise ValueError(
+                f"expected a weight vector of shape ({len(self.decode)},) (one weight per "
+                f"vocabulary item), got shape {array.shape}"
+            )
+        return array
+
+    def _matrix(self, ws: Any) -> np.ndarray:
+        """A batch of weight vectors as a 2-D float64 numpy array."""
+        ws = _as_numpy(ws)
+        if isinstance(ws, np.ndarray):
+            array = ws.astype(np.float64, copy=False)
+        else:
+            rows = [self._vector(row) for row in ws]
+            array = np.stack(rows) if rows else np.empty((0, len(self.decode)))
+        if array.ndim != 2 or array.shape[1] != len(self.decode):
+            raise ValueError(
+                f"expected a batch of weight vectors of shape (batch, {len(self.decode)}), "
+                f"got shape {array.shape}"
+            )
+        return np.ascontiguousarray(array)
+
+    def _reduce(self, weights: np.ndarray, op: np.ufunc, empty: float) -> np.ndarray:
+        if not self.decode:
+            return np.full((len(weights), 1), empty)
+        return _run_plan(self._plan, weights, op)
+
+    def weight_sum(self, ws: Any) -> np.ndarray:
+        """For every node, the sum of the weights of the items below it.
+
+        Args:
+            ws: One weight per item (numpy array or torch tensor on any device).
+
+        Returns:
+            A float64 array with one value per node (computed in float64).
+
+        Raises:
+            ValueError: If `ws` does not hold one weight per item.
+        """
+        return self._reduce(self._vector(ws)[None], np.add, 0.0)[0]
+
+    def weight_max(self, ws: Any) -> np.ndarray:
+        """For every node, the max of the weights of the items below it.
+
+        Exact for any real weights, including negative values and `-inf`.
+
+        Args:
+            ws: One weight per item (numpy array or torch tensor on any device).
+
+        Returns:
+            A float64 array with one value per node.
+
+        Raises:
+            ValueError: If `ws` does not hold one weight per item.
+        """
+        return self._reduce(self._vector(ws)[None], np.maximum, -np.inf)[0]
+
+    def batch_weight_sum(self, ws: Any) -> np.ndarray:
+        """`weight_sum` of every row of a batch.
+
+        Args:
+            ws: A 2-D array or tensor, or a list of weight vectors.
+
+        Returns:
+            A float64 array of shape `(batch, number of nodes)`.
+
+        Raises:
+            ValueError: If a row does not hold one weight per item.
+        """
+        return self._reduce(self._matrix(ws), np.add, 0.0)
+
+    def batch_weight_max(self, ws: Any) -> np.ndarray:
+        """`weight_max` of every row of a batch.
+
+        Args:
+            ws: A 2-D array or tensor, or a list of weight vectors.
+
+        Returns:
+            A float64 array of shape `(batch, number of nodes)`.
+
+        Raises:
+            ValueError: If a row does not hold one weight per item.
+        """
+        return self._reduce(self._matrix(ws), np.maximum, -np.inf)
+
+    # ------------------------------------------------------------------ display
+
+    def visualize(self, ws: Any = None):
+        """Draw the trie with graphviz.
+
+        Args:
+            ws: Optional weights, one per item; each node then shows the sum of
+                the weights below it.
+
+        Returns:
+            A `graphviz.Digraph` (render it with `.render()` or display it in a notebook).
+
+        Raises:
+            ValueError: If `ws` does not hold one weight per item.
+        """
+        import graphviz
+
+        masses = None if ws is None else self.weight_sum(ws)
+        graph = graphviz.Digraph(graph_attr={"rankdir": "LR"}, node_attr={"fontsize": "10"})
+        for node, edges in enumerate(self.children):
+            is_leaf = node in self.leaf2word
+            label = repr(self.leaf2word[node]).replace("\\", "\\\\") if is_leaf else ""
+            if masses is not None:
+                label = f"{label}\\n{masses[node]:.3g}" if label else f"{masses[node]:.3g}"
+            graph.node(str(node), label=label or " ", shape="box" if is_leaf else "circle")
+            for symbol, child in edges.items():
+                is_end = isinstance(symbol, tuple) and len(symbol) == 2 and symbol[0] is None
+                edge_label = "end" if is_end else _symbol_label(symbol)
+                graph.edge(
+                    str(node), str(child), label=edge_label, style="dashed" if is_end else "solid"
+                )
+        return graph

@@ -1,0 +1,376 @@
+"""TokenCharacterTrie and ParallelTokenCharacterTrie against a brute-force reference.
+
+The reference walks `children` from the root and reduces, for every node, over the
+items whose symbols start with the node's path (a leaf: over its own item)."""
+
+import math
+import shutil
+
+import graphviz
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from genlm.backend import ParallelTokenCharacterTrie, Token, TokenCharacterTrie
+
+
+def symbols_of(item) -> tuple:
+    """The symbols of a vocabulary item, as the trie's edges carry them (bytes -> ints)."""
+    return tuple(item)
+
+
+def walk(trie) -> dict[int, tuple[tuple, int | None]]:
+    """Every node reachable from the root: node -> (symbols on its path, item if a leaf)."""
+    found = {trie.root: ((), None)}
+    stack = [trie.root]
+    while stack:
+        node = stack.pop()
+        path, _ = found[node]
+        for edge, child in trie.children[node].items():
+            assert child not in found, "the trie must be a tree"
+            if isinstance(edge, tuple) and len(edge) == 2 and edge[0] is None:
+                found[child] = (path, edge[1])
+            else:
+                found[child] = (path + (edge,), None)
+            stack.append(child)
+    return found
+
+
+def node_items(trie, vocab) -> dict[int, list[int]]:
+    """For each node, the positions of the items below it, from their symbols alone.
+
+    An inner node with path p is above every item whose symbols start with p;
+    a leaf is above its own item only.
+    """
+    item_symbols = [symbols_of(item) for item in vocab]
+    items = {}
+    for node, (path, leaf_item) in walk(trie).items():
+        if leaf_item is not None:
+            items[node] = [leaf_item]
+        else:
+            items[node] = [i for i, s in enumerate(item_symbols) if s[: len(path)] == path]
+    return items
+
+
+def reduce_nodes(items: dict[int, list[int]], ws: np.ndarray, how: str) -> np.ndarray:
+    """The reference value of every node: `math.fsum` (correctly rounded) or `max`."""
+    out = np.empty(len(items))
+    for node, members in items.items():
+        values = [float(ws[i]) for i in members]
+        if how == "sum":
+            out[node] = math.fsum(values) if values else 0.0
+        else:
+            out[node] = max(values) if values else -math.inf
+    return out
+
+
+CLASSES = [TokenCharacterTrie, lambda vocab: ParallelTokenCharacterTrie(vocab, device="cpu")]
+CLASS_IDS = ["sequential", "parallel"]
+
+
+def assert_sums_close(actual, expected, ws):
+    # A float64 sum of n terms is within n * 2**-52 * sum(|terms|) of the exact sum
+    # (the reference is correctly rounded); -inf entries must match exactly.
+    finite = np.asarray(ws, dtype=np.float64)
+    scale = np.abs(finite[np.isfinite(finite)]).sum() + 1e-300
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=len(finite) * 2.0**-52 * scale)
+
+
+def check_against_reference(trie, vocab, ws):
+    items = node_items(trie, vocab)
+    assert len(items) == len(trie.children)
+    assert_sums_close(trie.weight_sum(ws), reduce_nodes(items, ws, "sum"), ws)
+    np.testing.assert_array_equal(trie.weight_max(ws), reduce_nodes(items, ws, "max"))
+
+
+def check_structure(trie, vocab):
+    nodes = walk(trie)
+    assert set(nodes) == set(range(len(trie.children)))
+    assert trie.root == 0 and trie.decode == list(vocab)
+    for i, item in enumerate(vocab):
+        node = trie.root
+        for symbol in item:
+            node = trie.children[node][symbol]
+        leaf = trie.children[node][(None, i)]
+        if isinstance(item, Token):
+            key = (bytes(item), item.token_id)
+        else:
+            key = tuple(item) if isinstance(item, list) else item
+        assert trie.word2leaf[key] == leaf and trie.leaf2word[leaf] == key
+        assert trie.children[leaf] == {}
+    assert len(trie.word2leaf) == len(trie.leaf2word) == len(vocab)
+    for node, (path, _) in nodes.items():
+        prefix = trie.node2prefix[node]
+        if all(isinstance(s, int) and 0 <= s < 256 for s in path):
+            assert prefix == bytes(path) and isinstance(prefix, bytes)
+        else:
+            assert prefix == path
+    assert len(trie.node2prefix) == len(trie.children)
+
+
+class EndOfSequence:
+    """An end-of-sequence item iterable over its own symbol (or over nothing)."""
+
+    def __init__(self, symbols: tuple = ()):
+        self.symbols = symbols
+
+    def __iter__(self):
+        return iter(self.symbols)
+
+    def __repr__(self):
+        return "EOS"
+
+
+EOS_SYMBOL = "<eos>"
+
+HAND_VOCABS = {
+    "prefixes": [b"a", b"ab", b"abc", b"b", b"", b"abd"],
+    "tokens_sharing_bytes": [Token(0, b"ab"), Token(1, b"ab"), Token(2, b"a"), Token(3, b"")],
+    "single": [b"x"],
+    "empty_string_only": [b""],
+    "nul_and_high_bytes": [b"\x00", b"\x00\x00", b"\xff", b"\xff\x00", b"\x00\xff", b"\x01"],
+    "bytes_and_eos": [b"a", b"ab", EndOfSequence()],
+    "bytes_and_eos_symbol": [Token(0, b"a"), Token(1, b"<"), EndOfSequence((EOS_SYMBOL,))],
+    "mixed_symbols": ["ab", "ac", b"ab", (1, 2), [300, "x"], (), (97,)],
+}
+
+
+@pytest.mark.parametrize("make", CLASSES, ids=CLASS_IDS)
+@pytest.mark.parametrize("name", HAND_VOCABS)
+def test_hand_vocabularies_match_brute_force(make, name):
+    vocab = HAND_VOCABS[name]
+    trie = make(vocab)
+    check_structure(trie, vocab)
+    rng = np.random.default_rng(0)
+    ws = rng.normal(size=len(vocab))
+    ws[0] = -np.inf
+    ws[-1] = 0.0
+    check_against_reference(trie, vocab, ws)
+    check_against_reference(trie, vocab, np.full(len(vocab), -np.inf))
+
+
+def test_node2prefix_types():
+    trie = TokenCharacterTrie([b"ab", EndOfSequence((EOS_SYMBOL,)), [97, EOS_SYMBOL]])
+    prefixes = set(trie.node2prefix.values())
+    assert prefixes == {b"", b"a", b"ab", (EOS_SYMBOL,), (97, EOS_SYMBOL)}
+    with pytest.raises(KeyError):
+        trie.node2prefix[len(trie.children)]
+
+
+byte_strings = st.lists(st.sampled_from([0, 1, 97, 98, 255]), max_size=5).map(bytes)
+weights = st.one_of(
+    st.floats(-1e3, 1e3, allow_nan=False), st.just(0.0), st.just(-np.inf), st.just(-0.5)
+)
+
+
+@st.composite
+def vocab_and_weights(draw):
+    strings = draw(st.lists(byte_strings, max_size=25))
+    as_tokens = draw(st.booleans())
+    vocab = (
+        [Token(i, s) for i, s in enumerate(strings)] if as_tokens else list(dict.fromkeys(strings))
+    )
+    if draw(st.booleans()):
+        vocab.append(EndOfSequence(draw(st.sampled_from([(), (EOS_SYMBOL,)]))))
+    ws = np.array(draw(st.lists(weights, min_size=len(vocab), max_size=len(vocab))))
+    return vocab, ws
+
+
+@settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(vocab_and_weights())
+def test_random_vocabularies_match_brute_force(data):
+    vocab, ws = data
+    items = None
+    for make in CLASSES:
+        trie = make(vocab)
+        check_structure(trie, vocab)
+        items = node_items(trie, vocab) if items is None else items
+        assert_sums_close(trie.weight_sum(ws), reduce_nodes(items, ws, "sum"), ws)
+        np.testing.assert_array_equal(trie.weight_max(ws), reduce_nodes(items, ws, "max"))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(byte_strings, min_size=1, max_size=40, unique=True), st.integers(0, 4))
+def test_batches_equal_rows(vocab, batch):
+    rng = np.random.default_rng(batch)
+    ws = rng.normal(size=(batch, len(vocab)))
+    for make in CLASSES:
+        trie = make(vocab)
+        for batched, single in (
+            (trie.batch_weight_sum, trie.weight_sum),
+            (trie.batch_weight_max, trie.weight_max),
+        ):
+            expected = np.array([single(row) for row in ws]).reshape(batch, len(trie.children))
+            np.testing.assert_array_equal(batched(ws), expected)
+            np.testing.assert_array_equal(batched(list(ws)), expected)
+            np.testing.assert_array_equal(batched(torch.from_numpy(ws)), expected)
+
+
+def test_many_items_and_deep_chains_match_brute_force():
+    # Wide fan-outs and long chains of nested prefixes exercise every level of the plan.
+    rng = np.random.default_rng(1)
+    vocab = [b"=" * n for n in range(2, 90)] + [bytes([b]) for b in range(256)]
+    vocab += sorted({bytes(rng.integers(97, 100, size=rng.integers(2, 8))) for _ in range(600)})
+    ws = rng.normal(size=len(vocab))
+    ws[rng.integers(0, len(vocab), size=20)] = -np.inf
+    for make in CLASSES:
+        trie = make(vocab)
+        check_against_reference(trie, vocab, ws)
+
+
+@pytest.mark.parametrize("make", CLASSES, ids=CLASS_IDS)
+def test_weight_inputs(make):
+    vocab = [b"a", b"ab", b"b"]
+    trie = make(vocab)
+    expected = trie.weight_sum(np.array([1.0, 2.0, 3.0]))
+    for ws in (
+        torch.tensor([1.0, 2.0, 3.0]),
+        torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16),
+        np.array([1, 2, 3], dtype=np.float32),
+        [1.0, 2.0, 3.0],
+    ):
+        result = trie.weight_sum(ws)
+        assert isinstance(result, np.ndarray) and result.dtype == np.float64
+        np.testing.assert_array_equal(result, expected)
+    assert trie.batch_weight_max([]).shape == (0, len(trie.children))
+
+
+@pytest.mark.parametrize("make", CLASSES, ids=CLASS_IDS)
+def test_wrong_lengths_raise(make):
+    trie = make([b"a", b"b"])
+    for method in (trie.weight_sum, trie.weight_max):
+        for ws in (np.ones(3), np.ones(1), np.ones((1, 2)), torch.ones(3)):
+            with pytest.raises(ValueError, match="shape"):
+                method(ws)
+    for method in (trie.batch_weight_sum, trie.batch_weight_max):
+        for ws in (np.ones((2, 3)), np.ones(2), [np.ones(2), np.ones(3)]):
+            with pytest.raises(ValueError, match="shape"):
+                method(ws)
+
+
+@pytest.mark.parametrize("make", CLASSES, ids=CLASS_IDS)
+def test_duplicates_raise(make):
+    with pytest.raises(ValueError, match="duplicate"):
+        make([b"a", b"b", b"a"])
+    with pytest.raises(ValueError, match="duplicate"):
+        make([Token(3, b"a"), Token(3, b"a")])
+    make([Token(3, b"a"), Token(4, b"a"), b"a"])  # distinct keys
+
+
+def test_bad_items_raise():
+    with pytest.raises(TypeError, match="decode\\[1\\]"):
+        TokenCharacterTrie([b"a", 5])
+    with pytest.raises(TypeError, match="unhashable"):
+        TokenCharacterTrie([b"a", [[1]]])
+
+
+def test_empty_vocabulary():
+    for make in CLASSES:
+        trie = make([])
+        assert trie.children == [{}]
+        np.testing.assert_array_equal(trie.weight_sum(np.zeros(0)), [0.0])
+        np.testing.assert_array_equal(trie.weight_max(np.zeros(0)), [-np.inf])
+
+
+def test_parallel_devices():
+    with pytest.raises(ValueError, match="device"):
+        ParallelTokenCharacterTrie([b"a"], device="tpu")
+    with pytest.raises(ValueError, match="device"):
+        ParallelTokenCharacterTrie([b"a"], device=3.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            ParallelTokenCharacterTrie([b"a"], device="cuda")
+        assert ParallelTokenCharacterTrie([b"a"]).device.type == "cpu"
+    assert isinstance(ParallelTokenCharacterTrie([b"a"], device="cpu"), TokenCharacterTrie)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_parallel_cuda_matches_sequential():
+    vocab = [bytes([a, b]) for a in range(97, 110) for b in range(97, 110)] + [b""]
+    ws = torch.randn(len(vocab), generator=torch.Generator().manual_seed(0))
+    gpu = ParallelTokenCharacterTrie(vocab, device="cuda")
+    cpu = TokenCharacterTrie(vocab)
+    np.testing.assert_array_equal(gpu.weight_max(ws.cuda()), cpu.weight_max(ws))
+    np.testing.assert_allclose(gpu.weight_sum(ws.cuda()), cpu.weight_sum(ws), rtol=1e-12)
+
+
+def test_visualize():
+    vocab = [b"a", b"ab", b"b\\", EndOfSequence((EOS_SYMBOL,))]
+    trie = TokenCharacterTrie(vocab)
+    graph = trie.visualize(np.array([0.5, 0.25, 0.25, 0.0]))
+    assert isinstance(graph, graphviz.Digraph)
+    source = graph.source
+    for node in range(len(trie.children)):
+        assert f"\t{node} [" in source
+    assert source.count("->") == len(trie.children) - 1
+    assert "label=1 " in source or 'label="1"' in source  # the root's mass
+    assert "0x5C" in source  # the backslash byte is shown escaped
+    assert "'<eos>'" in source
+    assert isinstance(trie.visualize(), graphviz.Digraph)
+    with pytest.raises(ValueError, match="shape"):
+        trie.visualize(np.ones(2))
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
+def test_visualize_renders(tmp_path):
+    trie = TokenCharacterTrie([b"a", b"ab", b"b"])
+    svg = trie.visualize(np.array([0.5, 0.25, 0.25])).pipe(format="svg").decode()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+
+
+@settings(
+    max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    st.lists(
+        st.lists(st.sampled_from([0, 97, 98]), max_size=7).map(bytes),
+        min_size=100,
+        max_size=300,
+        unique=True,
+    ),
+    st.integers(0, 2**32 - 1),
+)
+def test_random_large_vocabularies_match_brute_force(vocab, seed):
+    # Large enough for groups of 64+ items, which the second level of the plan computes.
+    ws = np.random.default_rng(seed).normal(size=len(vocab))
+    for make in CLASSES:
+        check_against_reference(make(vocab), vocab, ws)
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocab(tokenizer_path):
+    from transformers import AutoTokenizer
+
+    from genlm.backend import decode_vocab
+
+    return decode_vocab(AutoTokenizer.from_pretrained(tokenizer_path("gpt-2")))[0]
+
+
+def test_real_vocabulary_matches_brute_force(gpt2_vocab):
+    vocab = gpt2_vocab
+    rng = np.random.default_rng(0)
+    ws = np.log(rng.dirichlet(np.ones(len(vocab))))
+    ws[rng.integers(0, len(vocab), size=100)] = -np.inf
+    probs = np.exp(ws)
+    tries = [make(vocab) for make in CLASSES]
+    nodes = walk(tries[0])
+    sample = [tries[0].root, *rng.choice(len(nodes), size=300, replace=False).tolist()]
+    for trie in tries:
+        assert walk(trie) == nodes  # same structure, same node ids
+        sums, maxes = trie.weight_sum(probs), trie.weight_max(ws)
+        for node in sample:
+            path, leaf_item = nodes[node]
+            prefix = bytes(path)
+            if leaf_item is not None:
+                members = [leaf_item]
+            else:
+                members = [i for i, token in enumerate(vocab) if token.startswith(prefix)]
+            assert trie.node2prefix[node] == prefix
+            assert maxes[node] == max(ws[members])
+            # fsum is correctly rounded; a float64 sum of n <= 50257 terms in [0, 1] is
+            # within n * 2**-52 of it.
+            assert abs(sums[node] - math.fsum(probs[members])) <= len(members) * 2.0**-52

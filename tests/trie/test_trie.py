@@ -66,8 +66,22 @@ def reduce_nodes(items: dict[int, list[int]], ws: np.ndarray, how: str) -> np.nd
     return out
 
 
-CLASSES = [TokenCharacterTrie, lambda vocab: ParallelTokenCharacterTrie(vocab, device="cpu")]
-CLASS_IDS = ["sequential", "parallel"]
+class TorchPathTrie(ParallelTokenCharacterTrie):
+    """The parallel class's torch path (the one CUDA devices run), forced on the CPU."""
+
+    def __init__(self, vocab):
+        super().__init__(vocab, device="cpu")
+
+    def _on_cpu(self) -> bool:
+        return False
+
+
+CLASSES = [
+    TokenCharacterTrie,
+    lambda vocab: ParallelTokenCharacterTrie(vocab, device="cpu"),
+    TorchPathTrie,
+]
+CLASS_IDS = ["sequential", "parallel", "parallel-torch-path"]
 
 
 def assert_sums_close(actual, expected, ws):
@@ -236,6 +250,10 @@ def test_weight_inputs(make):
         result = trie.weight_sum(ws)
         assert isinstance(result, np.ndarray) and result.dtype == np.float64
         np.testing.assert_array_equal(result, expected)
+    for batch in (np.array([[1, 2, 3]], dtype=np.float32), torch.tensor([[1.0, 2.0, 3.0]])):
+        result = trie.batch_weight_sum(batch)
+        assert isinstance(result, np.ndarray) and result.dtype == np.float64
+        np.testing.assert_array_equal(result, expected[None])
     assert trie.batch_weight_max([]).shape == (0, len(trie.children))
 
 

@@ -13,12 +13,18 @@ A level sees a row of already computed values (level 0: the items in sorted
 order; level 1: the largest computed entities, which tile the items) and
 finishes every remaining group that spans fewer than `2**bits` of them, from
 doubling tables `T_b[i] = reduce(row[i : i + 2**b])`: a span of length `r` is
-the disjoint union of windows of the sizes of the set bits of `r`. The tables
-are dense element-wise passes, the windows are gathers, so a level costs a few
-vectorised operations whatever the shape of the trie, and the sums stay exact
-to floating-point rounding (no prefix-sum differences). The plan is plain index
-arrays; `TokenCharacterTrie` runs it with numpy, `ParallelTokenCharacterTrie`
-with torch.
+the disjoint union of windows of the sizes of the set bits of `r`. Each table
+is one dense element-wise pass over the previous one (two buffers, ping-pong);
+right after it is built, the values of the windows of its size are gathered
+into a staging array, and each group's value is then reduced from its staged
+windows (the groups are ordered by number of windows, so the `j`-th windows
+are one gather and one element-wise pass over a prefix of the level's groups).
+A level thus costs a few vectorised operations whatever the shape of the trie,
+and the sums stay exact to floating-point rounding (no prefix-sum
+differences). The plan is plain index arrays; `TokenCharacterTrie` runs it
+with numpy one weight row at a time (the row's working set, about 7 MB for
+qwen2, is reused between calls), `ParallelTokenCharacterTrie` with torch on
+CUDA.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from genlm.backend.tokenization.token import Token
 
 # Window sizes of the first level: 2**0 .. 2**(_FIRST_LEVEL_BITS - 1) items. Small groups
 # (most of them) finish there; the second level finishes the rest over a much shorter row.
+# (More capped levels do not pay: groups with many children keep the rows long.)
 _FIRST_LEVEL_BITS = 6
 _FIRST_FREE_CODE = 256
 
@@ -274,51 +281,100 @@ class _PlanLevel:
     """One level of a reduction plan (see the module docstring).
 
     Attributes:
-        row: Slots of the values the level reduces over, or `None` for the items.
-        start, stop: The level writes group slots `num_items + start .. num_items + stop`.
-        bits: For each window size `2**b`: (groups whose first window it is, their window
-            starts, groups that add it to their value, their window starts); groups are
-            numbered from `start`.
+        row: Workspace positions of the values the level reduces over; `None` at
+            level 0, which reduces over the sorted items.
+        width: Length of the row.
+        bits: Number of doubling tables (window sizes `2**0 .. 2**(bits - 1)`).
+        start, stop: The level writes its group values at workspace `start .. stop`.
+        table_positions: `table_positions[b]` lists where, in table `b`, the windows of
+            size `2**b` start; their values are staged one after the other (bit by bit).
+        windows: `windows[j]` holds, for the first `len(windows[j])` groups of the
+            level, the staged position of their `j`-th window; groups are ordered by
+            number of windows, most first.
     """
 
     row: np.ndarray | None
+    width: int
+    bits: int
     start: int
     stop: int
-    bits: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    table_positions: list[np.ndarray]
+    windows: list[np.ndarray]
 
 
 @dataclass
 class _ReductionPlan:
     """Index arrays that compute every node's value from the item weights.
 
+    The values live in a workspace: the items in sorted order (`0 .. num_items`),
+    then the groups (`num_items .. values_stop`), level by level.
+
     Attributes:
         num_items: Number of items.
         perm: `perm[r]` is the index in `decode` of the item of sorted rank r.
-        num_groups: Number of branching nodes (values computed by the levels).
         levels: The levels, in order.
-        node_slot: For every node, where its value is: `< num_items` an item's rank,
-            else `num_items +` a group number.
+        values_stop: End of the item and group values.
+        node_slot: For every node, the workspace position of its value (an item's or a
+            group's: a node with a single child has the value of the first node at or
+            below it that does not).
     """
 
     num_items: int
     perm: np.ndarray
-    num_groups: int
     levels: list[_PlanLevel]
+    values_stop: int
     node_slot: np.ndarray
 
+    @property
+    def row_size(self) -> int:
+        """Longest row of a level after the first (copied out of the values)."""
+        return max((level.width for level in self.levels[1:]), default=0)
 
-def _level_bits(
+    @property
+    def table_size(self) -> int:
+        """Longest doubling table (levels keep two, ping-pong)."""
+        return max((level.width for level in self.levels), default=0)
+
+    @property
+    def stage_size(self) -> int:
+        """Most windows of a level."""
+        return max((sum(map(len, level.windows)) for level in self.levels), default=0)
+
+    @property
+    def scratch_size(self) -> int:
+        """Most groups of a level (scratch for one gather of their windows)."""
+        return max((level.stop - level.start for level in self.levels), default=0)
+
+
+def _level_windows(
     first: np.ndarray, span: np.ndarray, bits: int
-) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Window terms of spans `[first, first + span)`: one window per set bit, low bits first."""
-    terms = []
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Windows of spans `[first, first + span)`: one per set bit of the span, low bits first.
+
+    Returns the order of the groups (most windows first), the table positions of the
+    windows of each size, and for each `j` the staged positions (windows numbered in
+    table order) of the `j`-th windows of the groups, in that order, that have one.
+    """
+    count = np.zeros(len(span), dtype=np.int64)
+    table_positions, groups, which = [], [], []  # which: the window's rank in its group's
     for b in range(bits):
-        has_bit = ((span >> b) & 1).astype(bool)
-        lower = span & ((1 << b) - 1)
-        opens = np.flatnonzero(has_bit & (lower == 0))
-        adds = np.flatnonzero(has_bit & (lower != 0))
-        terms.append((opens, first[opens], adds, first[adds] + lower[adds]))
-    return terms
+        has_bit = np.flatnonzero((span >> b) & 1)
+        table_positions.append(first[has_bit] + (span[has_bit] & ((1 << b) - 1)))
+        groups.append(has_bit)
+        which.append(count[has_bit])
+        count[has_bit] += 1
+    order = np.argsort(-count, kind="stable")
+    rank_in_level = np.empty(len(span), dtype=np.int64)
+    rank_in_level[order] = np.arange(len(span))
+    groups, which = np.concatenate(groups), np.concatenate(which)
+    staged = np.arange(len(groups))  # windows are staged in table order
+    windows = []
+    for j in range(int(count.max(initial=0))):
+        chosen = which == j
+        at = np.empty(int(chosen.sum()), dtype=np.int64)
+        at[rank_in_level[groups[chosen]]] = staged[chosen]  # groups with a j-th window lead
+        windows.append(at)
+    return order, table_positions, windows
 
 
 def _plan(trie: _SortedTrie, num_items: int) -> _ReductionPlan:
@@ -368,25 +424,32 @@ def _plan(trie: _SortedTrie, num_items: int) -> _ReductionPlan:
             first = np.searchsorted(row_lo, group_lo[remaining])
             span = np.searchsorted(row_lo, group_hi[remaining]) - first
 
-    # Number the groups level by level, so that each level writes one contiguous block.
+    # Groups are numbered level by level, each level's in the order of its windows.
+    group_start = num_items
     group_number = np.zeros(num_groups + 1, dtype=np.int64)  # one spare for masked lookups
-    bounds = np.cumsum([0] + [len(spec[0]) for spec in specs])
-    for (members, *_), start in zip(specs, bounds[:-1], strict=True):
-        group_number[members] = start + np.arange(len(members))
+    next_group, level_windows = 0, []
+    for members, first, span, bits, _ in specs:
+        order, table_positions, windows = _level_windows(first, span, bits)
+        group_number[members[order]] = next_group + np.arange(len(members))
+        level_windows.append((next_group, table_positions, windows))
+        next_group += len(members)
 
     def slot_of_entity(entities: np.ndarray) -> np.ndarray:
-        group_slot = num_items + group_number[np.maximum(entities - num_items, 0)]
+        group_slot = group_start + group_number[np.maximum(entities - num_items, 0)]
         return np.where(entities < num_items, entities, group_slot)
 
     plan_levels = [
         _PlanLevel(
             row=None if row is None else slot_of_entity(row),
-            start=int(start),
-            stop=int(stop),
-            bits=_level_bits(first, span, bits),
+            width=num_items if row is None else len(row),
+            bits=bits,
+            start=group_start + first_group,
+            stop=group_start + first_group + len(members),
+            table_positions=table_positions,
+            windows=windows,
         )
-        for (_, first, span, bits, row), start, stop in zip(
-            specs, bounds[:-1], bounds[1:], strict=True
+        for (members, _, _, bits, row), (first_group, table_positions, windows) in zip(
+            specs, level_windows, strict=True
         )
     ]
 
@@ -396,41 +459,75 @@ def _plan(trie: _SortedTrie, num_items: int) -> _ReductionPlan:
     rep_group = group_of_node[representative]
     node_slot = np.where(
         rep_group >= 0,
-        num_items + group_number[np.maximum(rep_group, 0)],
+        group_start + group_number[np.maximum(rep_group, 0)],
         trie.rank[representative],
     )
     return _ReductionPlan(
         num_items=num_items,
         perm=trie.order,
-        num_groups=num_groups,
         levels=plan_levels,
+        values_stop=group_start + num_groups,
         node_slot=node_slot,
     )
 
 
-def _run_plan(plan: _ReductionPlan, weights: np.ndarray, op: np.ufunc) -> np.ndarray:
-    """Every node's value for each row of `weights` (float64, shape `(batch, num_items)`).
+def _workspace_size(plan: _ReductionPlan) -> int:
+    """Float64 values `_run_plan` needs: values, row, tables, staging, scratch, a row."""
+    return (
+        plan.values_stop
+        + plan.row_size
+        + 2 * plan.table_size
+        + plan.stage_size
+        + plan.scratch_size
+        + plan.num_items
+    )
 
-    Rows are processed one at a time, in buffers allocated once, so that a row's
-    working values stay in the CPU cache.
+
+def _run_plan(
+    plan: _ReductionPlan, weights: Sequence[np.ndarray], op: np.ufunc, workspace: np.ndarray
+) -> np.ndarray:
+    """Every node's value for each weight row (`num_items` floats of any precision).
+
+    Rows are processed one at a time in `workspace` (`_workspace_size(plan)` float64
+    values, reused between calls: fresh memory costs page faults), so that a row's
+    working values stay in the CPU cache. Every step is a gather (`take` in "clip"
+    mode, numpy's fast path: the plan's indices are all in range) or a dense
+    element-wise pass, each into a preallocated destination; the last step gathers
+    the row's output straight into the result.
     """
     size = plan.num_items
     out = np.empty((len(weights), len(plan.node_slot)))
-    values = np.empty(size + plan.num_groups)
-    tables = np.empty((2, size))
+    values, rest = workspace[: plan.values_stop], workspace[plan.values_stop :]
+    row_buffer, rest = rest[: plan.row_size], rest[plan.row_size :]
+    tables, rest = rest[: 2 * plan.table_size].reshape(2, -1), rest[2 * plan.table_size :]
+    stage, rest = rest[: plan.stage_size], rest[plan.stage_size :]
+    scratch, converted = rest[: plan.scratch_size], rest[plan.scratch_size :][:size]
     for weight_row, out_row in zip(weights, out, strict=True):
-        np.take(weight_row, plan.perm, out=values[:size])
+        if weight_row.dtype != np.float64:
+            np.copyto(converted, weight_row)
+            weight_row = converted
+        np.take(weight_row, plan.perm, out=values[:size], mode="clip")
         for level in plan.levels:
-            table = values[:size] if level.row is None else values[level.row]
-            block = values[size + level.start : size + level.stop]
-            for b, (opens, open_at, adds, add_at) in enumerate(level.bits):
+            table = values[:size]
+            if level.row is not None:
+                table = row_buffer[: level.width]
+                np.take(values, level.row, out=table, mode="clip")
+            staged = 0
+            for b, positions in enumerate(level.table_positions):
                 if b:
                     half = 1 << (b - 1)
-                    next_table = tables[b % 2, : len(table) - half]
-                    table = op(table[:-half], table[half:], out=next_table)
-                block[opens] = table[open_at]
-                block[adds] = op(block[adds], table[add_at])
-        np.take(values, plan.node_slot, out=out_row)
+                    table = op(table[:-half], table[half:], out=tables[b % 2, : len(table) - half])
+                np.take(table, positions, out=stage[staged : staged + len(positions)], mode="clip")
+                staged += len(positions)
+            block = values[level.start : level.stop]
+            for j, positions in enumerate(level.windows):
+                if j == 0:
+                    np.take(stage, positions, out=block, mode="clip")
+                else:
+                    head, window = block[: len(positions)], scratch[: len(positions)]
+                    np.take(stage, positions, out=window, mode="clip")
+                    op(head, window, out=head)
+        np.take(values, plan.node_slot, out=out_row, mode="clip")
     return out
 
 
@@ -526,7 +623,9 @@ class TokenCharacterTrie:
 
     Node ids follow a depth-first order of the items sorted by their symbols, so
     the items below a node are contiguous in that order; the reductions are
-    vectorised (see the module docstring) and return float64 arrays.
+    vectorised (see the module docstring) and return float64 arrays. Calls reuse
+    one float64 workspace kept by the trie (about 7 MB for qwen2's vocabulary); a
+    call made while another thread holds it allocates its own.
 
     Args:
         decode: The vocabulary items.
@@ -585,8 +684,14 @@ class TokenCharacterTrie:
     # ------------------------------------------------------------------ weights
 
     def _vector(self, ws: Any) -> np.ndarray:
-        """`ws` as a 1-D float64 numpy array of the vocabulary's length."""
-        array = np.asarray(_as_numpy(ws), dtype=np.float64)
+        """`ws` as a 1-D numpy array of floats of the vocabulary's length.
+
+        Float arrays are kept as they are (no copy); `_run_plan` converts each row
+        to float64 in its workspace.
+        """
+        array = np.asarray(_as_numpy(ws))
+        if array.dtype.kind != "f":
+            array = array.astype(np.float64)
         if array.shape != (len(self.decode),):
             raise ValueError(
                 f"expected a weight vector of shape ({len(self.decode)},) (one weight per "
@@ -594,25 +699,35 @@ class TokenCharacterTrie:
             )
         return array
 
-    def _matrix(self, ws: Any) -> np.ndarray:
-        """A batch of weight vectors as a 2-D float64 numpy array."""
+    def _matrix(self, ws: Any) -> np.ndarray | list[np.ndarray]:
+        """A batch of weight vectors: a 2-D numpy array of floats, or a list of vectors.
+
+        A list stays a list of validated vectors (`_run_plan` reads one row at a
+        time), so that a batch gathered from separate vectors is not copied.
+        """
         ws = _as_numpy(ws)
-        if isinstance(ws, np.ndarray):
-            array = ws.astype(np.float64, copy=False)
-        else:
-            rows = [self._vector(row) for row in ws]
-            array = np.stack(rows) if rows else np.empty((0, len(self.decode)))
+        if not isinstance(ws, np.ndarray):
+            return [self._vector(row) for row in ws]
+        array = ws if ws.dtype.kind == "f" else ws.astype(np.float64)
         if array.ndim != 2 or array.shape[1] != len(self.decode):
             raise ValueError(
                 f"expected a batch of weight vectors of shape (batch, {len(self.decode)}), "
                 f"got shape {array.shape}"
             )
-        return np.ascontiguousarray(array)
+        return array
 
-    def _reduce(self, weights: np.ndarray, op: np.ufunc, empty: float) -> np.ndarray:
+    def _reduce(self, weights: Sequence[np.ndarray], op: np.ufunc, empty: float) -> np.ndarray:
         if not self.decode:
             return np.full((len(weights), 1), empty)
-        return _run_plan(self._plan, weights, op)
+        # One spare workspace, taken for the call and put back after it: a call that
+        # finds none (another thread holds it) allocates its own.
+        workspace = self.__dict__.pop("_spare_workspace", None)
+        if workspace is None:
+            workspace = np.empty(_workspace_size(self._plan))
+        try:
+            return _run_plan(self._plan, weights, op, workspace)
+        finally:
+            self._spare_workspace = workspace
 
     def weight_sum(self, ws: Any) -> np.ndarray:
         """For every node, the sum of the weights of the items below it.

@@ -71,14 +71,16 @@ class LipogramSampler:
         logprobs = await self.lm.next_token_logprobs(self.prompt_ids + particle.token_ids)
         probs = torch.exp(logprobs[: len(self.mask)].double()) * self.mask
         node_mass = await self.trie.weight_sum(probs)
-        kept = float(node_mass[self.trie.root])
+        trie = self.trie.trie
+        kept = float(node_mass[trie.root])
         if kept <= 0.0:
             particle.log_weight, particle.done = -math.inf, True
             return
         particle.log_weight += math.log(kept)
         # Character level: draw the next byte from the masses of the root's children...
+        # (Edges keyed (None, i) end items; byte edges are ints.)
         children = {
-            sym: node for sym, node in self.trie.children[self.trie.root].items() if sym is not None
+            sym: node for sym, node in trie.children[trie.root].items() if isinstance(sym, int)
         }
         symbols = list(children)
         masses = np.array([node_mass[children[s]] for s in symbols])

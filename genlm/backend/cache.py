@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +60,314 @@ class OutputCache:
     def clear(self) -> None:
         """Remove every entry."""
         self._entries.clear()
+
+
+class _Block:
+    """One allocated KV tensor; the nodes whose segments view it keep it alive."""
+
+    __slots__ = ("nbytes", "users")
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.users = 1
+
+
+class PrefixNode:
+    """A node of `KVPrefixCache`: an edge of one or more tokens and their key/values.
+
+    Attributes:
+        tokens: The token ids on the edge from the parent to this node.
+        children: Child nodes by the first token of their edge.
+        parent: The parent node (`None` at a root).
+        last_access: Value of the cache's clock when the node was last used.
+        lock_count: Number of running users; a locked node is never evicted.
+    """
+
+    __slots__ = ("tokens", "children", "parent", "_kv", "_block", "last_access", "lock_count")
+
+    def __init__(
+        self,
+        tokens: tuple[int, ...],
+        parent: PrefixNode | None,
+        kv: torch.Tensor | None,
+        block: _Block | None,
+        clock: int,
+    ):
+        self.tokens = tokens
+        self.children: dict[int, PrefixNode] = {}
+        self.parent = parent
+        self._kv = kv  # a view whose token dimension (-2) may extend past the edge (capacity)
+        self._block = block
+        self.last_access = clock
+        self.lock_count = 0
+
+    @property
+    def past_key_values(self) -> torch.Tensor | None:
+        """The key/values of this edge's tokens (token dimension -2), `None` at a root."""
+        return None if self._kv is None else self._kv.narrow(-2, 0, len(self.tokens))
+
+    @property
+    def capacity(self) -> int:
+        """Tokens this node's tensor can hold before it must be reallocated."""
+        return 0 if self._kv is None else self._kv.shape[-2]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached prefix of a token sequence, as found by `KVPrefixCache.match`.
+
+    Attributes:
+        node: The deepest node reached; when the match ends inside its edge,
+            only the first `node_tokens` tokens of the edge belong to the match.
+        length: Number of tokens matched.
+        node_tokens: Tokens of `node`'s edge that are part of the match.
+        segments: Key/values of the matched tokens, in order, as views of the
+            cached tensors (no copies); they stay valid after eviction.
+    """
+
+    node: PrefixNode
+    length: int
+    node_tokens: int
+    segments: tuple[torch.Tensor, ...]
+
+    def key_values(self) -> torch.Tensor | None:
+        """The matched key/values concatenated along the token dimension (a copy)."""
+        return torch.cat(self.segments, dim=-2) if self.segments else None
+
+
+class KVPrefixCache:
+    """A radix tree of key/value tensors for token prefixes, bounded in bytes.
+
+    Every stored sequence can serve any later sequence that extends one of its
+    prefixes. A node holds the key/values of the tokens on its edge in one
+    tensor whose token dimension is -2 (e.g. `[layers, 2, kv_heads, tokens,
+    head_dim]`); a path from a root spells a cached prefix. Separate roots keep
+    namespaces (e.g. LoRA adapters) apart. Three verbs: `match` the longest
+    cached prefix, `insert` new key/values after it, `evict` least-recently-used
+    unlocked leaves. A leaf that keeps growing (one sampler particle) is
+    extended in place with geometric over-allocation, so paths stay short;
+    splitting an edge creates views of the same tensor, so it copies nothing.
+
+    Memory is accounted exactly: `nbytes` is the size of every tensor the cache
+    keeps alive (spare capacity included), and it never exceeds `max_bytes`.
+
+    Args:
+        max_bytes: Memory budget in bytes.
+
+    Raises:
+        ValueError: If `max_bytes` is negative.
+    """
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be non-negative, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.peak_nbytes = 0
+        self._roots: dict[Hashable, PrefixNode] = {}
+        self._clock = 0
+
+    def root(self, namespace: Hashable = None) -> PrefixNode:
+        """The root node of `namespace` (created when missing)."""
+        node = self._roots.get(namespace)
+        if node is None:
+            node = self._roots[namespace] = PrefixNode((), None, None, None, self._clock)
+        return node
+
+    def match(
+        self, token_ids: Sequence[int], namespace: Hashable = None, max_length: int | None = None
+    ) -> PrefixMatch:
+        """Find the longest cached prefix of `token_ids` and mark it recently used.
+
+        Args:
+            token_ids: The sequence to look up.
+            namespace: The tree to search.
+            max_length: Match at most this many tokens.
+
+        Returns:
+            The match (length 0 at the root when nothing is cached).
+        """
+        self._clock += 1
+        token_ids = tuple(token_ids)
+        limit = len(token_ids) if max_length is None else min(max_length, len(token_ids))
+        node, matched, used, segments = self.root(namespace), 0, 0, []
+        while matched < limit:
+            child = node.children.get(token_ids[matched])
+            if child is None:
+                break
+            used = _common_length(child.tokens, token_ids, matched, limit)
+            child.last_access = self._clock
+            segments.append(child._kv.narrow(-2, 0, used))
+            matched += used
+            node = child
+            if used < len(child.tokens):
+                break
+        else:
+            used = len(node.tokens)
+        if not segments:
+            used = 0
+        return PrefixMatch(node, matched, used, tuple(segments))
+
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        key_values: torch.Tensor,
+        namespace: Hashable = None,
+    ) -> int:
+        """Store the key/values of `token_ids[start:]`.
+
+        Tokens already cached are skipped. Nothing is stored when `token_ids[:start]`
+        is not cached (there is nothing to attach to) or when the budget cannot
+        make room after evicting every unlocked leaf.
+
+        Args:
+            token_ids: The whole sequence.
+            start: Index of the first token `key_values` belongs to.
+            key_values: Key/values of `token_ids[start:]` along dimension -2.
+            namespace: The tree to store into.
+
+        Returns:
+            Number of tokens newly stored.
+        """
+        token_ids = tuple(token_ids)
+        found = self.match(token_ids, namespace)
+        if found.length < start or found.length == len(token_ids):
+            return 0
+        node = found.node
+        if found.node_tokens < len(node.tokens):
+            node = self._split(node, found.node_tokens)
+        tokens = token_ids[found.length :]
+        new_kv = key_values.narrow(-2, found.length - start, len(tokens))
+        self.lock(node)
+        try:
+            if node.parent is not None and not node.children and self._extend(node, tokens, new_kv):
+                return len(tokens)
+            return len(tokens) if self._add_child(node, tokens, new_kv) else 0
+        finally:
+            self.unlock(node)
+
+    def lock(self, node: PrefixNode) -> None:
+        """Protect `node` and its ancestors from eviction until `unlock(node)`."""
+        while node is not None:
+            node.lock_count += 1
+            node = node.parent
+
+    def unlock(self, node: PrefixNode) -> None:
+        """Undo one `lock(node)`."""
+        while node is not None:
+            node.lock_count -= 1
+            node = node.parent
+
+    def evict(self, nbytes: int) -> int:
+        """Evict least-recently-used unlocked leaves until `nbytes` bytes are freed.
+
+        Args:
+            nbytes: Bytes to free.
+
+        Returns:
+            Bytes actually freed (less when everything left is locked).
+        """
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < nbytes:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            freed += self._remove(node)
+            if self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def clear(self) -> None:
+        """Drop every cached tensor."""
+        self._roots.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        """Number of nodes holding key/values."""
+        return sum(1 for node in self._nodes() if node.parent is not None)
+
+    def _nodes(self) -> Iterator[PrefixNode]:
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    @staticmethod
+    def _evictable(node: PrefixNode) -> bool:
+        return node.parent is not None and not node.children and node.lock_count <= 0
+
+    def _remove(self, node: PrefixNode) -> int:
+        del node.parent.children[node.tokens[0]]
+        node.parent = None
+        return self._release(node._block)
+
+    def _release(self, block: _Block) -> int:
+        block.users -= 1
+        if block.users > 0:
+            return 0
+        self.nbytes -= block.nbytes
+        return block.nbytes
+
+    def _allocate(self, like: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, _Block] | None:
+        shape = (*like.shape[:-2], n_tokens, like.shape[-1])
+        nbytes = math.prod(shape) * like.element_size()
+        if self.nbytes + nbytes > self.max_bytes:
+            # Evicting a little ahead (1/64 of the budget) spares a tree scan per insertion.
+            self.evict(max(self.nbytes + nbytes - self.max_bytes, self.max_bytes // 64))
+            if self.nbytes + nbytes > self.max_bytes:
+                return None
+        self.nbytes += nbytes
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        return like.new_empty(shape), _Block(nbytes)
+
+    def _split(self, node: PrefixNode, at: int) -> PrefixNode:
+        """Cut `node`'s edge after `at` tokens; return the new node holding the first part."""
+        head = PrefixNode(
+            node.tokens[:at], node.parent, node._kv.narrow(-2, 0, at), node._block, node.last_access
+        )
+        head.lock_count = node.lock_count
+        node._block.users += 1
+        node.parent.children[node.tokens[0]] = head
+        head.children[node.tokens[at]] = node
+        node.parent = head
+        node._kv = node._kv.narrow(-2, at, node.capacity - at)
+        node.tokens = node.tokens[at:]
+        return head
+
+    def _extend(self, node: PrefixNode, tokens: tuple[int, ...], kv: torch.Tensor) -> bool:
+        old, new = len(node.tokens), len(node.tokens) + len(tokens)
+        if new > node.capacity:
+            allocated = self._allocate(kv, new + new // 2 + 4)
+            if allocated is None:
+                return False
+            storage, block = allocated
+            storage.narrow(-2, 0, old).copy_(node.past_key_values)
+            self._release(node._block)
+            node._kv, node._block = storage, block
+        node._kv.narrow(-2, old, len(tokens)).copy_(kv)
+        node.tokens = node.tokens + tokens
+        node.last_access = self._clock
+        return True
+
+    def _add_child(self, parent: PrefixNode, tokens: tuple[int, ...], kv: torch.Tensor) -> bool:
+        allocated = self._allocate(kv, len(tokens))
+        if allocated is None:
+            return False
+        storage, block = allocated
+        storage.copy_(kv)
+        parent.children[tokens[0]] = PrefixNode(tokens, parent, storage, block, self._clock)
+        return True
+
+
+def _common_length(edge: tuple[int, ...], ids: tuple[int, ...], start: int, limit: int) -> int:
+    """Length of the common prefix of `edge` and `ids[start:limit]`."""
+    n = min(len(edge), limit - start)
+    if edge[:n] == ids[start : start + n]:
+        return n
+    i = 1  # the first token matched already (children are keyed by it)
+    while i < n and edge[i] == ids[start + i]:
+        i += 1
+    return i

@@ -1,9 +1,632 @@
-"""Placeholder: being written."""
+"""The transformers backend: `AsyncTransformer` and the `Query` it batches.
 
+One evaluation of a batch of queries is one forward pass:
 
-class AsyncTransformer:
-    pass
+1. Each query looks up the longest cached prefix of its context in the
+   `KVPrefixCache` (a radix tree of key/value segments, one per adapter).
+2. The matched segments are gathered into one buffer per batch, laid out as
+   `[past (right-padded to the longest past) | new tokens]` for every row.
+   A 2-D attention mask hides the padding and explicit position ids give
+   every token its true position, so rows with different past lengths share
+   the pass (RoPE and learned position embeddings alike).
+3. The model writes the new tokens' keys/values in place into that buffer
+   (`_BatchLayer`), and they are inserted into the tree as children of the
+   matched prefixes; the logits of each row's last token become its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from genlm.backend.batcher import AutoBatcher
+from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
+from genlm.backend.llm.base import AsyncLM, check_token_ids
+
+DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_CACHE_SIZE = 256
 
 
 class Query:
-    pass
+    """A queued request for the next-token log-probabilities of one context.
+
+    Args:
+        token_ids: The whole context.
+        adapter: Name of the LoRA adapter it is evaluated under (`None`: the base model).
+        past: A cached prefix of `token_ids` (as returned by `walk_cache`) whose
+            key/values the evaluation may reuse; the cache is consulted too.
+
+    Attributes:
+        token_ids: The context, a tuple of ints.
+        adapter: The adapter name or `None`.
+        past: The prefix handed in, or `None`.
+    """
+
+    __slots__ = ("token_ids", "adapter", "past")
+
+    def __init__(
+        self,
+        token_ids: Sequence[int],
+        adapter: str | None = None,
+        past: PrefixMatch | None = None,
+    ):
+        self.token_ids = tuple(token_ids)
+        self.adapter = adapter
+        self.past = past
+
+    @property
+    def key(self) -> Hashable:
+        """Queries with equal keys have the same result."""
+        return (self.adapter, self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Query({len(self.token_ids)} tokens, adapter={self.adapter!r})"
+
+
+class AsyncTransformer(AsyncLM):
+    """A Hugging Face causal LM with automatic batching and prefix caching.
+
+    Concurrent `next_token_logprobs` calls are batched (see `batch_size`,
+    `timeout`); each batch is one forward pass over the tokens that no cached
+    prefix covers. Key/values of every evaluated context are kept in a radix
+    tree bounded by `kv_cache_bytes` (least recently used, unlocked entries are
+    evicted first); results are kept in an `OutputCache` of `cache_size` entries.
+    Results agree with `next_token_logprobs_uncached` (a plain forward pass).
+
+    Args:
+        hf_model: A `transformers` causal LM (e.g. from `AutoModelForCausalLM`).
+        hf_tokenizer: Its tokenizer.
+        batch_size: A batch runs as soon as this many distinct queries wait.
+        timeout: ... or this many seconds after the oldest waiting query arrived.
+        kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
+        cache_size: Number of results (log-probability rows) kept.
+
+    Attributes:
+        model: The model (wrapped in a `peft.PeftModel` once an adapter is added).
+        kv_cache: The `KVPrefixCache`.
+        output_cache: The `OutputCache` of results, keyed by `(adapter, token_ids)`.
+    """
+
+    def __init__(
+        self,
+        hf_model: Any,
+        hf_tokenizer: Any,
+        batch_size: int = 20,
+        timeout: float = 0.02,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ):
+        super().__init__(hf_tokenizer)
+        self.model = hf_model.eval()
+        config = hf_model.config.get_text_config(decoder=True)
+        self._n_layers = config.num_hidden_layers
+        self._max_length = getattr(config, "max_position_embeddings", None)
+        self._aligned_pasts = _has_sliding_window(config)
+        self._vocab_size = hf_model.get_input_embeddings().num_embeddings
+        self._device = hf_model.get_input_embeddings().weight.device
+        self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
+        self.kv_cache = KVPrefixCache(kv_cache_bytes)
+        self.output_cache = OutputCache(cache_size)
+        self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
+            self._evaluate, batch_size, timeout, key=lambda query: query.key
+        )
+        self._workspace = _Workspace()
+        self._adapters: set[str] = set()
+        self._active_adapter: str | None = None
+
+    @classmethod
+    def from_name(
+        cls,
+        model_id: str,
+        bitsandbytes_opts: dict[str, Any] | None = None,
+        hf_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncTransformer:
+        """Load a model and its tokenizer with `from_pretrained`.
+
+        Args:
+            model_id: A hub name or a local folder.
+            bitsandbytes_opts: Options of a `transformers.BitsAndBytesConfig`
+                (e.g. `{"load_in_8bit": True}`) to load the weights quantised.
+            hf_opts: Keyword arguments of `AutoModelForCausalLM.from_pretrained`;
+                defaults `device_map="auto"`, `dtype="auto"`.
+            **kwargs: Passed to the constructor (`batch_size`, `timeout`, ...).
+
+        Returns:
+            The loaded `AsyncTransformer`.
+
+        Raises:
+            ImportError: If `bitsandbytes_opts` is given and bitsandbytes is not installed.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_opts = {"device_map": "auto", "dtype": "auto", **(hf_opts or {})}
+        if bitsandbytes_opts is not None:
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError as error:
+                raise ImportError(
+                    "bitsandbytes_opts needs bitsandbytes: "
+                    "pip install 'genlm-backend[quantization]'"
+                ) from error
+            from transformers import BitsAndBytesConfig
+
+            model_opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        model = AutoModelForCausalLM.from_pretrained(model_id, **model_opts)
+        return cls(model, tokenizer, **kwargs)
+
+    @property
+    def batch_size(self) -> int:
+        """A batch runs as soon as this many distinct queries wait."""
+        return self._batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"batch_size must be at least 1, got {value}")
+        self._batcher.batch_size = value
+
+    @property
+    def timeout(self) -> float:
+        """A batch runs this many seconds after the oldest waiting query arrived."""
+        return self._batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        if value < 0:
+            raise ValueError(f"timeout must be non-negative, got {value}")
+        self._batcher.timeout = value
+
+    @property
+    def queries(self) -> list[Query]:
+        """The queries waiting for a batch, oldest first."""
+        return self._batcher.pending
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token; concurrent calls are batched.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        query = Query(self._check(token_ids), self._active_adapter)
+        cached = self.output_cache.get(query.key)
+        if cached is not None:
+            return cached
+        return await self._batcher.submit(query)
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token, computed now (no batching; caches used).
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        return self.batch_next_token_logprobs_sync([token_ids])[0]
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Log-probabilities after each context, computed now in one batch.
+
+        Args:
+            token_ids_list: The contexts.
+
+        Returns:
+            A 2-D tensor, one row per context, in input order.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        queries = [Query(self._check(ids), self._active_adapter) for ids in token_ids_list]
+        distinct = {query.key: query for query in queries}
+        results = dict(zip(distinct, self._evaluate(list(distinct.values())), strict=True))
+        return torch.stack([results[query.key] for query in queries])
+
+    def next_token_logprobs_uncached(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token from a plain forward pass, no cache of any kind.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        ids = self._check(token_ids)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
+        with torch.no_grad():
+            logits = self._call_model(self._active_adapter, input_ids=input_ids, use_cache=False)
+        return torch.log_softmax(logits.logits[0, -1].float(), dim=-1)
+
+    def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
+        """Compute and keep the key/values (and the result) of a prompt.
+
+        Later queries that extend the prompt then only run the model on their
+        new tokens (as long as the prompt is not evicted).
+
+        Args:
+            prompt_tokens: The prompt's token ids.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+        """
+        self.next_token_logprobs_sync(prompt_tokens)
+
+    def walk_cache(
+        self, token_ids: Sequence[int]
+    ) -> tuple[PrefixNode, int, PrefixMatch | None, int]:
+        """Find the longest cached prefix of `token_ids` (under the active adapter).
+
+        Args:
+            token_ids: The context.
+
+        Returns:
+            `(node, next_token_index, past, base)`: the deepest cache node the
+            prefix reaches (its `past_key_values` holds its edge's key/values,
+            `None` at the root; the match may end inside the edge), the number
+            of tokens matched, the matched key/value state (a `PrefixMatch`,
+            `None` when nothing matched) and the index where that state ends.
+            Every cached token carries key/values, so `next_token_index == base`.
+        """
+        found = self.kv_cache.match(token_ids, self._active_adapter)
+        return found.node, found.length, found if found.length else None, found.length
+
+    def add_query(
+        self, query: Query, future: asyncio.Future, past: PrefixMatch | None = None
+    ) -> None:
+        """Queue `query`; `future` receives its log-probabilities when its batch has run.
+
+        Only the tokens not covered by `past` (or by a longer cached prefix) are
+        run through the model.
+
+        Args:
+            query: The query.
+            future: A future of the running event loop.
+            past: A cached prefix of the query's tokens, e.g. from `walk_cache`.
+
+        Raises:
+            ValueError: For bad token ids in `query` (see `check_token_ids`).
+        """
+        query.token_ids = self._check(query.token_ids)
+        if past is not None:
+            query.past = past
+        self._batcher.add(query, future)
+
+    def batch_evaluate_queries(self) -> None:
+        """Evaluate every queued query now (nothing queued: no-op)."""
+        self._batcher.flush()
+
+    def reset_async_queries(self) -> None:
+        """Drop the queued queries; their callers get `asyncio.CancelledError`."""
+        self._batcher.reset()
+
+    def clear_cache(self) -> None:
+        """Drop every cached result and key/value, and the batches' reusable buffer."""
+        self.output_cache.clear()
+        self.kv_cache.clear()
+        self._workspace.release()
+
+    def clear_kv_cache(self) -> None:
+        """Drop every cached key/value (cached results stay)."""
+        self.kv_cache.clear()
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Load a peft LoRA adapter under `lora_name` (it is not activated).
+
+        Args:
+            lora_path: Folder of the adapter (as written by `save_pretrained`).
+            lora_name: Name to activate it by with `set_lora`. Loading another
+                adapter under a name in use replaces it and clears the caches.
+
+        Raises:
+            ImportError: If peft is not installed.
+        """
+        try:
+            from peft import PeftModel
+        except ImportError as error:
+            raise ImportError("LoRA needs peft: pip install 'genlm-backend[lora]'") from error
+        if not isinstance(self.model, PeftModel):
+            self.model = PeftModel.from_pretrained(self.model, lora_path, adapter_name=lora_name)
+        else:
+            if lora_name in self._adapters:
+                self.model.delete_adapter(lora_name)
+                self.clear_cache()
+            self.model.load_adapter(lora_path, adapter_name=lora_name)
+        self.model.eval()
+        self._adapters.add(lora_name)
+
+    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+        """Activate an adapter, loading it from `lora_path` first if it is new.
+
+        Args:
+            lora_path: Folder of the adapter; needed only if `lora_name` was not added.
+            lora_name: The adapter to activate.
+
+        Raises:
+            ValueError: If `lora_name` was never added and no `lora_path` is given.
+        """
+        if lora_name not in self._adapters:
+            if lora_path is None:
+                raise ValueError(
+                    f"no LoRA adapter named {lora_name!r}; add it with add_new_lora(path, name)"
+                )
+            self.add_new_lora(lora_path, lora_name)
+        self._active_adapter = lora_name
+
+    def clear_lora(self) -> None:
+        """Deactivate LoRA adapters: later queries use the base model."""
+        self._active_adapter = None
+
+    def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        return check_token_ids(token_ids, self._vocab_size, self._max_length)
+
+    def _call_model(self, adapter: str | None, **inputs: Any) -> Any:
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+            return self.model(**inputs)
+        if self._adapters:
+            with self.model.disable_adapter():
+                return self.model(**inputs)
+        return self.model(**inputs)
+
+    def _evaluate(self, queries: list[Query]) -> list[torch.Tensor]:
+        """The batch evaluator: one result per query, in order."""
+        results: list[torch.Tensor | None] = [None] * len(queries)
+        todo: dict[str | None, list[int]] = {}
+        for i, query in enumerate(queries):
+            results[i] = self.output_cache.get(query.key)
+            if results[i] is None:
+                todo.setdefault(query.adapter, []).append(i)
+        with torch.no_grad():
+            for adapter, indices in todo.items():
+                pasts = [self._longest_past(queries[i]) for i in indices]
+                for past in pasts:
+                    self.kv_cache.lock(past.node)
+                try:
+                    for group in self._plan(indices, pasts, queries):
+                        rows = self._run(
+                            adapter, [queries[indices[g]] for g in group], [pasts[g] for g in group]
+                        )
+                        for g, row in zip(group, rows, strict=True):
+                            results[indices[g]] = row
+                            self.output_cache[queries[indices[g]].key] = row
+                finally:
+                    for past in pasts:
+                        self.kv_cache.unlock(past.node)
+        return results
+
+    def _longest_past(self, query: Query) -> PrefixMatch:
+        # At least one token must run: its logits are the result.
+        found = self.kv_cache.match(query.token_ids, query.adapter, len(query.token_ids) - 1)
+        given = query.past
+        if given is not None and found.length < given.length < len(query.token_ids):
+            return PrefixMatch(found.node, given.length, given.node_tokens, given.segments)
+        return found
+
+    def _plan(
+        self, indices: list[int], pasts: list[PrefixMatch], queries: list[Query]
+    ) -> list[list[int]]:
+        """Split a batch into sub-batches in which padding at most about doubles the work."""
+        sizes = [
+            (len(queries[i].token_ids) - past.length, past.length)
+            for i, past in zip(indices, pasts, strict=True)
+        ]
+        groups: list[list[int]] = []
+        max_past = real_new = real_all = 0  # of the last group
+        for g in sorted(range(len(sizes)), key=lambda g: sizes[g], reverse=True):
+            new, past = sizes[g]
+            if groups:
+                # Sorted by new tokens: the group's first member has the most.
+                group = groups[-1]
+                rows, max_new = len(group) + 1, sizes[group[0]][0]
+                max_past = max(past, max_past)
+                real_new, real_all = real_new + new, real_all + new + past
+                fits = rows * max_new <= 2 * real_new + 8
+                fits &= rows * (max_new + max_past) <= 2 * real_all + 64 * rows
+                fits &= not (self._aligned_pasts and past != sizes[group[0]][1])
+                if fits:
+                    group.append(g)
+                    continue
+            groups.append([g])
+            max_past, real_new, real_all = past, new, new + past
+        for group in groups:  # rows with common prefixes side by side (see `_BatchKV`)
+            group.sort(key=lambda g: queries[indices[g]].token_ids)
+        return groups
+
+    def _run(
+        self, adapter: str | None, queries: list[Query], pasts: list[PrefixMatch]
+    ) -> list[torch.Tensor]:
+        """One forward pass over the uncached tokens of `queries`; caches their key/values."""
+        past_lengths = torch.tensor([past.length for past in pasts])
+        new_tokens = [
+            query.token_ids[past.length :] for query, past in zip(queries, pasts, strict=True)
+        ]
+        new_lengths = torch.tensor([len(tokens) for tokens in new_tokens])
+        past_length, n_new = int(past_lengths.max()), int(new_lengths.max())
+
+        input_ids = torch.zeros(len(queries), n_new, dtype=torch.long)
+        for row, tokens in enumerate(new_tokens):
+            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        position_ids = past_lengths[:, None] + torch.arange(n_new)
+        if self._max_length is not None:
+            position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
+        slots = torch.arange(past_length + n_new)
+        attention_mask = (slots < past_lengths[:, None]) | (
+            (slots >= past_length) & (slots < past_length + new_lengths[:, None])
+        )
+        last_columns = new_lengths - 1
+        inputs: dict[str, Any] = {}
+        if self._keeps_logits:
+            kept, last_columns = torch.unique(last_columns, return_inverse=True)
+            inputs["logits_to_keep"] = kept.to(self._device)
+
+        batch = _BatchKV(
+            [past.segments for past in pasts], past_length, n_new, self._n_layers, self._workspace
+        )
+        output = self._call_model(
+            adapter,
+            input_ids=input_ids.to(self._device),
+            attention_mask=attention_mask.long().to(self._device),
+            position_ids=position_ids.to(self._device),
+            past_key_values=batch.as_cache(),
+            use_cache=True,
+            **inputs,
+        )
+        logits = output.logits[torch.arange(len(queries)), last_columns.to(output.logits.device)]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+
+        if batch.buffer is not None:
+            for row, (query, past) in enumerate(zip(queries, pasts, strict=True)):
+                new_kv = batch.buffer[
+                    :, :, row, :, past_length : past_length + len(new_tokens[row])
+                ]
+                self.kv_cache.insert(query.token_ids, past.length, new_kv, adapter)
+        # Own copies: a cached row must not keep the whole batch's tensor alive.
+        return [row.clone() for row in logprobs.unbind(0)]
+
+
+class _BatchKV:
+    """The key/value buffer of one batch, shaped `[layers, 2, rows, kv_heads, slots, head_dim]`.
+
+    Slots `[0, past_length)` hold each row's cached prefix (right-padded with
+    zeros), slots `[past_length, past_length + n_new)` receive the new tokens.
+    The buffer is allocated at the first layer's update, when the key/value
+    shape and dtype the model produces are known.
+    """
+
+    def __init__(
+        self,
+        segments: list[tuple[torch.Tensor, ...]],
+        past_length: int,
+        n_new: int,
+        n_layers: int,
+        workspace: _Workspace,
+    ):
+        self.segments = segments
+        self.workspace = workspace
+        self.past_length = past_length
+        self.n_new = n_new
+        self.n_layers = n_layers
+        self.buffer: torch.Tensor | None = None
+
+    def as_cache(self) -> Cache:
+        return Cache(layers=[_BatchLayer(self, layer) for layer in range(self.n_layers)])
+
+    def allocate(self, key_states: torch.Tensor) -> torch.Tensor:
+        if self.buffer is not None:
+            return self.buffer
+        rows, heads, _, head_dim = key_states.shape
+        shape = (self.n_layers, 2, rows, heads, self.past_length + self.n_new, head_dim)
+        buffer = self.workspace.take(shape, key_states)
+        # Consecutive rows that share a cached segment (the prompt, say) get it in one copy.
+        runs: dict[tuple[int, int, int], list] = {}  # (slot, address, length) -> [rows, segment]
+        for row, segments in enumerate(self.segments):
+            offset = 0
+            for segment in segments:
+                length = segment.shape[-2]
+                key = (offset, segment.data_ptr(), length)
+                run = runs.get(key)
+                if run is not None and run[0].stop == row:
+                    run[0] = range(run[0].start, row + 1)
+                else:
+                    if run is not None:
+                        self._fill(buffer, key[0], *run)
+                    runs[key] = [range(row, row + 1), segment]
+                offset += length
+            # Masked slots must still hold finite numbers: attention multiplies them by 0.
+            buffer[:, :, row, :, offset : self.past_length].zero_()
+        for (offset, _, _), run in runs.items():
+            self._fill(buffer, offset, *run)
+        self.buffer = buffer
+        return buffer
+
+    @staticmethod
+    def _fill(buffer: torch.Tensor, offset: int, rows: range, segment: torch.Tensor) -> None:
+        target = buffer[:, :, rows.start : rows.stop, :, offset : offset + segment.shape[-2]]
+        target.copy_(segment.unsqueeze(2).expand_as(target))
+
+
+class _Workspace:
+    """Memory that successive batches reuse for their key/value buffers.
+
+    A fresh buffer per batch would be mapped and page-faulted anew at every
+    step, which costs about as much as filling it; the largest one is kept.
+    """
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        flat = self._flat
+        if (
+            flat is None
+            or flat.numel() < numel
+            or (flat.dtype, flat.device)
+            != (
+                like.dtype,
+                like.device,
+            )
+        ):
+            self._flat = None  # free the old buffer before allocating the new one
+            flat = self._flat = like.new_empty(numel)
+        return flat[:numel].view(shape)
+
+    def release(self) -> None:
+        self._flat = None
+
+
+class _BatchLayer(DynamicLayer):
+    """One layer's view of a `_BatchKV`: new key/values are written in place, never concatenated."""
+
+    def __init__(self, batch: _BatchKV, layer: int):
+        super().__init__()
+        self._batch = batch
+        self._layer = layer
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer = self._batch.allocate(key_states)
+        keys, values = buffer[self._layer, 0], buffer[self._layer, 1]
+        start, length = self._batch.past_length, key_states.shape[-2]
+        keys[:, :, start : start + length].copy_(key_states)
+        values[:, :, start : start + length].copy_(value_states)
+        self.keys, self.values, self.is_initialized = keys, values, True
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self._batch.past_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._batch.past_length + query_length, 0
+
+
+def _has_sliding_window(config: Any) -> bool:
+    """Whether some attention layer of the model only sees a window of past tokens."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(kind != "full_attention" for kind in layer_types):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and getattr(
+        config, "use_sliding_window", True
+    )

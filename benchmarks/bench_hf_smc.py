@@ -1,0 +1,182 @@
+"""Sequential Monte Carlo workload: `AsyncTransformer` against a hand-written batched decode.
+
+SmolLM2-135M (float32, CPU). N particles start from a 64-token prompt; at each
+of T steps every particle awaits `next_token_logprobs(prompt + its tokens)`
+concurrently (`asyncio.gather`), then appends the token a fixed seeded trace
+gives it; every 5 steps the particles are resampled (replaced by copies of
+seeded random ancestors). Every run does the same work.
+
+Reference, in the same process: one prefill of the prompt, then one batched
+decode step of exactly N new tokens per step over one `DynamicCache`
+(one key/value tensor per layer for the N particles), reordered with
+`index_select` at resampling.
+
+Targets (issue 4): AsyncTransformer <= 1.3x the reference for (N=10, T=32) and
+(N=32, T=128), each with and without `cache_kv(prompt)` first; sampled results
+within 1e-4 (max abs) of `next_token_logprobs_uncached`. Memory: N=32, T=512
+with `kv_cache_bytes=256 MiB` never exceeds the budget and stays exact.
+
+Wall time is the figure the target is about; CPU time (process time) is
+printed too because it is less sensitive to other processes on a shared
+machine. The backend runs with `batch_size=N` (the default 20 would split a
+step of 32 particles into two forward passes) and its default `timeout`.
+
+Run: `HF_HUB_OFFLINE=1 python benchmarks/bench_hf_smc.py [--repeats 3] [--threads 1]
+[--skip-speed] [--skip-memory]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from genlm.backend import assets
+from genlm.backend.llm.hf import AsyncTransformer
+
+PROMPT_LENGTH = 64
+RESAMPLE_EVERY = 5
+TOLERANCE = 1e-4
+RATIO_TARGET = 1.3
+MEMORY_BUDGET = 256 * 1024**2
+SAMPLED_QUERIES = 12
+
+
+@dataclass
+class Trace:
+    """The seeded choices of one workload."""
+
+    prompt: list[int]
+    tokens: torch.Tensor  # [T, N]: the token particle n appends at step t
+    ancestors: dict[int, list[int]]  # step -> resampled ancestor of every particle
+    checks: set[tuple[int, int]]  # (step, particle) whose result is compared to the reference
+
+
+def make_trace(n: int, steps: int, vocab: int, seed: int = 0) -> Trace:
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (PROMPT_LENGTH,), generator=generator).tolist()
+    tokens = torch.randint(0, vocab, (steps, n), generator=generator)
+    ancestors = {
+        step: torch.randint(0, n, (n,), generator=generator).tolist()
+        for step in range(RESAMPLE_EVERY - 1, steps, RESAMPLE_EVERY)
+    }
+    picks = torch.randint(0, steps * n, (SAMPLED_QUERIES,), generator=generator).tolist()
+    return Trace(prompt, tokens, ancestors, {divmod(p, n) for p in picks})
+
+
+def run_reference(model, trace: Trace, n: int, steps: int) -> tuple[float, float]:
+    """Hand-written batched decode; returns wall and CPU seconds."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(torch.tensor([trace.prompt]), past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(n)
+        length = PROMPT_LENGTH
+        for step in range(steps - 1):
+            new = trace.tokens[step][:, None]
+            if step in trace.ancestors:
+                # Particles were resampled after appending: reorder the cache and the new tokens.
+                index = torch.tensor(trace.ancestors[step])
+                cache.reorder_cache(index)
+                new = new[index]
+            positions = torch.full((n, 1), length)
+            out = model(new, position_ids=positions, past_key_values=cache, use_cache=True)
+            torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+            length += 1
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
+async def smc(lm: AsyncTransformer, trace: Trace, n: int, steps: int, use_cache_kv: bool):
+    """The sampler's loop; returns the results of the sampled queries."""
+    if use_cache_kv:
+        lm.cache_kv(trace.prompt)
+    particles = [list(trace.prompt) for _ in range(n)]
+    sampled = {}
+    for step in range(steps):
+        rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+        for particle in range(n):
+            if (step, particle) in trace.checks:
+                sampled[tuple(particles[particle])] = rows[particle]
+        for particle in range(n):
+            particles[particle].append(int(trace.tokens[step, particle]))
+        if step in trace.ancestors:
+            particles = [list(particles[a]) for a in trace.ancestors[step]]
+    return sampled
+
+
+def run_backend(lm: AsyncTransformer, trace: Trace, n: int, steps: int, use_cache_kv: bool):
+    """Returns wall seconds, CPU seconds and the sampled results."""
+    lm.clear_cache()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    sampled = asyncio.run(smc(lm, trace, n, steps, use_cache_kv))
+    return time.perf_counter() - start, time.process_time() - start_cpu, sampled
+
+
+def max_error(lm: AsyncTransformer, sampled: dict) -> float:
+    return max(
+        (row - lm.next_token_logprobs_uncached(list(ids))).abs().max().item()
+        for ids, row in sampled.items()
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = assets.smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    lm = AsyncTransformer(model, tokenizer)
+    print(f"torch threads: {torch.get_num_threads()}; repeats: {args.repeats} (medians)")
+    print("AsyncTransformer runs with batch_size=N and timeout=0.02 (default)")
+    header = ("config", "reference s", "backend s", "ratio", "target", "max err")
+    print(f"{header[0]:<28}" + "".join(f"{h:>12}" for h in header[1:]))
+
+    for n, steps in [] if args.skip_speed else [(10, 32), (32, 128)]:
+        lm.batch_size = n
+        trace = make_trace(n, steps, len(tokenizer))
+        for use_cache_kv in (False, True):
+            reference, backend = [], []
+            for _ in range(args.repeats):
+                reference.append(run_reference(model, trace, n, steps))
+                wall, cpu, sampled = run_backend(lm, trace, n, steps, use_cache_kv)
+                backend.append((wall, cpu))
+            error = max_error(lm, sampled)
+            label = f"N={n} T={steps}" + (" cache_kv" if use_cache_kv else "")
+            for kind, column in (("wall", 0), ("cpu", 1)):
+                ref = statistics.median(r[column] for r in reference)
+                ours = statistics.median(b[column] for b in backend)
+                print(
+                    f"{label + ' ' + kind:<28}{ref:>12.2f}{ours:>12.2f}{ours / ref:>12.2f}"
+                    f"{'<=' + str(RATIO_TARGET):>12}{error:>12.1e}"
+                )
+
+    if not args.skip_memory:
+        n, steps = 32, 512
+        lm = AsyncTransformer(model, tokenizer, batch_size=n, kv_cache_bytes=MEMORY_BUDGET)
+        trace = make_trace(n, steps, len(tokenizer), seed=1)
+        seconds, _, sampled = run_backend(lm, trace, n, steps, use_cache_kv=True)
+        error = max_error(lm, sampled)
+        peak = lm.kv_cache.peak_nbytes / 1024**2
+        print(
+            f"memory N={n} T={steps}: {seconds:.1f} s, KV peak {peak:.1f} MiB "
+            f"(budget {MEMORY_BUDGET / 1024**2:.0f} MiB), max err {error:.1e} "
+            f"(target <= {TOLERANCE:.0e})"
+        )
+
+
+if __name__ == "__main__":
+    main()

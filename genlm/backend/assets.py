@@ -228,7 +228,8 @@ def tiny_model(arch: str, fetch: bool = True) -> Path:
 
     `"gpt2"` uses the GPT-2 tokenizer (learned position embeddings); `"llama"` uses
     SmolLM2's tokenizer, rotary positions, 4 attention heads and 2 key/value heads
-    (so tensor parallelism of 2 divides it). Weights are seeded: every build is equal.
+    of size 32 (tensor parallelism of 2 divides it, and vLLM's CPU attention accepts
+    the head size). Weights are seeded: every build is equal.
 
     Args:
         arch: One of `TINY_ARCHITECTURES`.
@@ -262,8 +263,8 @@ def tiny_model(arch: str, fetch: bool = True) -> Path:
             tok = AutoTokenizer.from_pretrained(smollm2(fetch=True))
             config = LlamaConfig(
                 vocab_size=len(tok),
-                hidden_size=64,
-                intermediate_size=128,
+                hidden_size=128,
+                intermediate_size=256,
                 num_hidden_layers=2,
                 num_attention_heads=4,
                 num_key_value_heads=2,
@@ -277,7 +278,8 @@ def tiny_model(arch: str, fetch: bool = True) -> Path:
         model.save_pretrained(folder)
         tok.save_pretrained(folder)
 
-    return _materialise(f"tiny-{arch}", build, fetch)
+    # The "-v2" names the layout with head size 32; older caches hold head size 16.
+    return _materialise(f"tiny-{arch}-v2", build, fetch)
 
 
 def materialise_all() -> dict[str, Path]:

@@ -433,7 +433,7 @@ class AsyncVirtualLM(AsyncLM):
 
         self._loras[lora_name] = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
 
-    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+    def set_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Use the adapter `lora_name` for later queries (cached results stay per adapter).
 
         Args:
@@ -454,16 +454,16 @@ class AsyncVirtualLM(AsyncLM):
         self._active_lora = None
 
     @staticmethod
-    def hash_to_int(name: str) -> int:
-        """A deterministic LoRA id for `name`.
+    def hash_to_int(value: str) -> int:
+        """A deterministic LoRA id for `value`.
 
         Args:
-            name: The adapter's name.
+            value: The adapter's name.
 
         Returns:
             An int in `[1, 2**31 - 1]`, the same in every process.
         """
-        digest = hashlib.sha256(name.encode("utf-8")).digest()
+        digest = hashlib.sha256(value.encode("utf-8")).digest()
         return int.from_bytes(digest[:8], "big") % (2**31 - 1) + 1
 
     def cleanup(self) -> None:

@@ -111,8 +111,8 @@ async def test_identical_concurrent_queries_are_computed_once(lm):
         assert_exact(lm, ids, result)
 
 
-async def run_smc(lm, n, steps, seed, resample_every=3):
-    """Particles that grow by one or two tokens per step and get resampled."""
+async def run_smc(lm, n, steps, seed, resample_every=3, lockstep=False):
+    """Particles that grow by one or two tokens per step (one with `lockstep`) and get resampled."""
     generator = torch.Generator().manual_seed(seed)
     particles = [random_ids(seed, 16) for _ in range(n)]
     checked = 0
@@ -122,7 +122,7 @@ async def run_smc(lm, n, steps, seed, resample_every=3):
             assert_exact(lm, particle, result)
             checked += 1
         for i, particle in enumerate(particles):
-            extra = 1 + (i + step) % 2
+            extra = 1 if lockstep else 1 + (i + step) % 2
             particle.extend(torch.randint(0, VOCAB, (extra,), generator=generator).tolist())
         if step % resample_every == resample_every - 1:
             ancestors = torch.randint(0, n, (n,), generator=generator).tolist()
@@ -133,6 +133,22 @@ async def run_smc(lm, n, steps, seed, resample_every=3):
 async def test_resampled_particles_match_uncached(lm):
     assert await run_smc(lm, n=5, steps=7, seed=6) == 35
     assert len(lm.kv_cache) > 0
+
+
+async def test_lockstep_particles_reuse_the_previous_batch_and_match_uncached(lm, monkeypatch):
+    # Particles of equal length that all grow by one token are the SMC pattern the backend
+    # serves from the previous batch's buffer (in place, or one copy per row after
+    # resampling) instead of gathering cached segments; results must not change.
+    from genlm.backend.llm import hf
+
+    gathers = []
+    original = hf._BatchKV._gather
+    monkeypatch.setattr(
+        hf._BatchKV, "_gather", lambda self, buffer: gathers.append(1) or original(self, buffer)
+    )
+    steps = 10
+    assert await run_smc(lm, n=6, steps=steps, seed=11, resample_every=4, lockstep=True) == 60
+    assert len(gathers) < steps - 1
 
 
 async def test_tiny_budget_evicts_and_stays_exact(shared_lm):

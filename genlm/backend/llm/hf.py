@@ -12,6 +12,11 @@ One evaluation of a batch of queries is one forward pass:
 3. The model writes the new tokens' keys/values in place into that buffer
    (`_BatchLayer`), and they are inserted into the tree as children of the
    matched prefixes; the logits of each row's last token become its result.
+
+A sampler's next step usually extends every row of the batch before by a
+token: then the new buffer is built from the previous one (`_Workspace.recall`)
+instead of from the tree, with no copy at all when the rows are the same and
+in the same order (the new tokens go into the buffer's spare slots).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from genlm.backend.llm.base import AsyncLM, check_token_ids
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CACHE_SIZE = 256
+_SPARE_SLOTS = 32  # token slots a batch buffer keeps free, so following steps append in place
 
 
 class Query:
@@ -291,9 +297,7 @@ class AsyncTransformer(AsyncLM):
         found = self.kv_cache.match(token_ids, self._active_adapter)
         return found.node, found.length, found if found.length else None, found.length
 
-    def add_query(
-        self, query: Query, future: asyncio.Future, past: PrefixMatch | None = None
-    ) -> None:
+    def add_query(self, query: Query, future: asyncio.Future, past: PrefixMatch | None) -> None:
         """Queue `query`; `future` receives its log-probabilities when its batch has run.
 
         Only the tokens not covered by `past` (or by a longer cached prefix) are
@@ -329,6 +333,7 @@ class AsyncTransformer(AsyncLM):
     def clear_kv_cache(self) -> None:
         """Drop every cached key/value (cached results stay)."""
         self.kv_cache.clear()
+        self._workspace.forget()
 
     def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Load a peft LoRA adapter under `lora_name` (it is not activated).
@@ -480,8 +485,14 @@ class AsyncTransformer(AsyncLM):
             kept, last_columns = torch.unique(last_columns, return_inverse=True)
             inputs["logits_to_keep"] = kept.to(self._device)
 
+        contexts = [query.token_ids for query in queries]
         batch = _BatchKV(
-            [past.segments for past in pasts], past_length, n_new, self._n_layers, self._workspace
+            [past.segments for past in pasts],
+            past_length,
+            n_new,
+            self._n_layers,
+            self._workspace,
+            self._workspace.recall(adapter, contexts, past_lengths.tolist()),
         )
         output = self._call_model(
             adapter,
@@ -501,6 +512,8 @@ class AsyncTransformer(AsyncLM):
                     :, :, row, :, past_length : past_length + len(new_tokens[row])
                 ]
                 self.kv_cache.insert(query.token_ids, past.length, new_kv, adapter)
+            if int(past_lengths.min()) == past_length and int(new_lengths.min()) == n_new:
+                self._workspace.remember(adapter, contexts, batch.storage)
         # Own copies: a cached row must not keep the whole batch's tensor alive.
         return [row.clone() for row in logprobs.unbind(0)]
 
@@ -511,7 +524,18 @@ class _BatchKV:
     Slots `[0, past_length)` hold each row's cached prefix (right-padded with
     zeros), slots `[past_length, past_length + n_new)` receive the new tokens.
     The buffer is allocated at the first layer's update, when the key/value
-    shape and dtype the model produces are known.
+    shape and dtype the model produces are known. It is a view of `storage`,
+    which has spare slots for the next steps.
+
+    Args:
+        segments: Each row's cached prefix, as key/value views of the tree.
+        past_length: Slots reserved for the longest prefix.
+        n_new: Slots for the new tokens.
+        n_layers: Layers of the model.
+        workspace: Where the storage comes from.
+        previous: The last batch's storage and, for each row, the row of it
+            that holds this row's whole prefix (from `_Workspace.recall`), or
+            `None` to gather the prefixes from `segments`.
     """
 
     def __init__(
@@ -521,12 +545,15 @@ class _BatchKV:
         n_new: int,
         n_layers: int,
         workspace: _Workspace,
+        previous: tuple[torch.Tensor, list[int]] | None,
     ):
         self.segments = segments
         self.workspace = workspace
+        self.previous = previous
         self.past_length = past_length
         self.n_new = n_new
         self.n_layers = n_layers
+        self.storage: torch.Tensor | None = None
         self.buffer: torch.Tensor | None = None
 
     def as_cache(self) -> Cache:
@@ -536,8 +563,39 @@ class _BatchKV:
         if self.buffer is not None:
             return self.buffer
         rows, heads, _, head_dim = key_states.shape
-        shape = (self.n_layers, 2, rows, heads, self.past_length + self.n_new, head_dim)
-        buffer = self.workspace.take(shape, key_states)
+        slots = self.past_length + self.n_new
+        shape = (self.n_layers, 2, rows, heads, slots, head_dim)
+        storage = self._from_previous(shape, key_states)
+        if storage is None:
+            storage = self.workspace.take(shape, key_states)
+            self._gather(storage)
+        self.storage = storage
+        self.buffer = storage.narrow(-2, 0, slots)
+        return self.buffer
+
+    def _from_previous(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        """The storage built from the previous batch's (`None` if it does not fit)."""
+        if self.previous is None:
+            return None
+        old, sources = self.previous
+        if (old.shape[3], old.shape[5], old.dtype, old.device) != (
+            shape[3],
+            shape[5],
+            like.dtype,
+            like.device,
+        ):
+            return None
+        if sources == list(range(old.shape[2])) and old.shape[-2] >= shape[-2]:
+            return old  # every row extends itself: the new tokens go into spare slots
+        storage = self.workspace.take(shape, like)
+        for row, source in enumerate(sources):
+            storage[:, :, row, :, : self.past_length].copy_(
+                old[:, :, source, :, : self.past_length]
+            )
+        return storage
+
+    def _gather(self, buffer: torch.Tensor) -> None:
+        """Copy every row's cached segments into its slots; zero the padding."""
         # Consecutive rows that share a cached segment (the prompt, say) get it in one copy.
         runs: dict[tuple[int, int, int], list] = {}  # (slot, address, length) -> [rows, segment]
         for row, segments in enumerate(self.segments):
@@ -557,8 +615,6 @@ class _BatchKV:
             buffer[:, :, row, :, offset : self.past_length].zero_()
         for (offset, _, _), run in runs.items():
             self._fill(buffer, offset, *run)
-        self.buffer = buffer
-        return buffer
 
     @staticmethod
     def _fill(buffer: torch.Tensor, offset: int, rows: range, segment: torch.Tensor) -> None:
@@ -570,30 +626,68 @@ class _Workspace:
     """Memory that successive batches reuse for their key/value buffers.
 
     A fresh buffer per batch would be mapped and page-faulted anew at every
-    step, which costs about as much as filling it; the largest one is kept.
+    step, which costs about as much as filling it. Two storages are kept (each
+    the largest so far, with spare slots) and batches alternate between them,
+    so that a batch can be built from the last one's buffer: `remember` keeps
+    the last unpadded batch's storage and contexts, `recall` tells the next
+    batch which of its rows hold the whole prefix of each new row. Its rows
+    hold the same values as the tree (they were inserted from it or into it).
     """
 
     def __init__(self) -> None:
-        self._flat: torch.Tensor | None = None
+        self._flats: list[torch.Tensor | None] = [None, None]
+        self._current = 0
+        self._last: tuple[Hashable, dict[tuple[int, ...], int], int, torch.Tensor] | None = None
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        numel = math.prod(shape)
-        flat = self._flat
+        """A storage for a buffer of `shape` with spare slots (dimension -2), not the last one's."""
+        self._current = 1 - self._current
+        per_slot = math.prod(shape) // shape[-2]
+        flat = self._flats[self._current]
         if (
             flat is None
-            or flat.numel() < numel
-            or (flat.dtype, flat.device)
-            != (
-                like.dtype,
-                like.device,
-            )
+            or flat.numel() < math.prod(shape)
+            or (flat.dtype, flat.device) != (like.dtype, like.device)
         ):
-            self._flat = None  # free the old buffer before allocating the new one
-            flat = self._flat = like.new_empty(numel)
-        return flat[:numel].view(shape)
+            self._flats[self._current] = None  # free the old storage before allocating anew
+            slots = shape[-2] + shape[-2] // 4 + _SPARE_SLOTS
+            flat = self._flats[self._current] = like.new_empty(per_slot * slots)
+        slots = flat.numel() // per_slot
+        return flat[: per_slot * slots].view(*shape[:-2], slots, shape[-1])
+
+    def remember(
+        self, adapter: Hashable, contexts: list[tuple[int, ...]], storage: torch.Tensor
+    ) -> None:
+        """Keep `storage` of a batch without padding, whose rows hold all of `contexts`."""
+        rows = {context: row for row, context in enumerate(contexts)}
+        self._last = (adapter, rows, len(contexts[0]), storage)
+
+    def recall(
+        self, adapter: Hashable, contexts: list[tuple[int, ...]], past_lengths: list[int]
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The last storage and, per context, its row holding the context's past.
+
+        `None` unless every context's past is exactly a context of the last batch
+        (of the same adapter). The last batch is forgotten either way: the new
+        batch may overwrite its storage.
+        """
+        last, self._last = self._last, None
+        if last is None or last[0] != adapter:
+            return None
+        _, rows, length, storage = last
+        if any(past != length for past in past_lengths):
+            return None
+        sources = [rows.get(context[:length]) for context in contexts]
+        return None if None in sources else (storage, sources)
+
+    def forget(self) -> None:
+        """Drop the last batch's record (its storage stays for reuse)."""
+        self._last = None
 
     def release(self) -> None:
-        self._flat = None
+        """Free both storages."""
+        self._flats = [None, None]
+        self._last = None
 
 
 class _BatchLayer(DynamicLayer):

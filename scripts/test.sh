@@ -8,6 +8,10 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== docs"
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+if [ -f ../shared/check_api_surface.py ]; then
+    echo "== API surface (SPEC.md)"
+    .venv/bin/python ../shared/check_api_surface.py
+fi
 echo "== pytest"
 # pytest exits 5 when it collects no test; `set -e` makes that a failure too.
 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -63,10 +63,6 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         timeout: float = 0.02,
         key: Callable[[RequestT], Hashable] | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if timeout < 0:
-            raise ValueError(f"timeout must be non-negative, got {timeout}")
         self.evaluate = evaluate
         self.batch_size = batch_size
         self.timeout = timeout
@@ -82,6 +78,28 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         self._timer: asyncio.TimerHandle | None = None
         self._lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def batch_size(self) -> int:
+        """Number of distinct waiting requests that triggers a batch (at least 1)."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"batch_size must be at least 1, got {value}")
+        self._batch_size = value
+
+    @property
+    def timeout(self) -> float:
+        """Seconds after the oldest waiting request that trigger a batch (non-negative)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        if value < 0:
+            raise ValueError(f"timeout must be non-negative, got {value}")
+        self._timeout = value
 
     @property
     def pending(self) -> list[RequestT]:

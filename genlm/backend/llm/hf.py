@@ -175,8 +175,6 @@ class AsyncTransformer(AsyncLM):
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        if value < 1:
-            raise ValueError(f"batch_size must be at least 1, got {value}")
         self._batcher.batch_size = value
 
     @property
@@ -186,8 +184,6 @@ class AsyncTransformer(AsyncLM):
 
     @timeout.setter
     def timeout(self, value: float) -> None:
-        if value < 0:
-            raise ValueError(f"timeout must be non-negative, got {value}")
         self._batcher.timeout = value
 
     @property

@@ -4,7 +4,9 @@ The reference walks `children` from the root and reduces, for every node, over t
 items whose symbols start with the node's path (a leaf: over its own item)."""
 
 import math
+import multiprocessing
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import graphviz
 import numpy as np
@@ -222,6 +224,68 @@ def test_batches_equal_rows(vocab, batch):
             np.testing.assert_array_equal(batched(ws), expected)
             np.testing.assert_array_equal(batched(list(ws)), expected)
             np.testing.assert_array_equal(batched(torch.from_numpy(ws)), expected)
+
+
+def test_results_kept_by_the_caller_are_never_overwritten():
+    # A later result may be written into the memory of an earlier one only when nothing
+    # refers to it any more: every way of keeping a result must protect it.
+    vocab = [b"a", b"ab", b"abc", b"b", b"ba", b"c", b""]
+    rng = np.random.default_rng(3)
+    first, second = rng.normal(size=(2, 4, len(vocab)))
+    for make in CLASSES[:2]:  # the numpy path (the torch path copies results off the device)
+        trie = make(vocab)
+        items = node_items(trie, vocab)
+        expected = np.array([reduce_nodes(items, row, "max") for row in first])
+        # Each kept result is followed by a call of the same shape on other weights.
+        kept_array = trie.batch_weight_max(first)
+        trie.batch_weight_max(second)
+        kept_row = trie.batch_weight_max(first)[2]
+        trie.batch_weight_max(second)
+        kept_tensor = torch.from_numpy(trie.batch_weight_max(first))
+        trie.batch_weight_max(second)
+        kept_single = trie.weight_max(first[1])
+        trie.weight_max(second[0])
+        np.testing.assert_array_equal(kept_array, expected)
+        np.testing.assert_array_equal(kept_row, expected[2])
+        np.testing.assert_array_equal(kept_tensor.numpy(), expected)
+        np.testing.assert_array_equal(kept_single, expected[1])
+
+
+def test_threads_calling_at_once_get_their_own_results():
+    rng = np.random.default_rng(4)
+    vocab = sorted({bytes(rng.integers(97, 101, size=rng.integers(1, 6))) for _ in range(300)})
+    batches = rng.normal(size=(6, 5, len(vocab)))
+    trie = TokenCharacterTrie(vocab)
+    items = node_items(trie, vocab)
+    expected = [[reduce_nodes(items, row, "sum") for row in batch] for batch in batches]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda b: [trie.batch_weight_sum(b) for _ in range(4)], batches))
+    for batch, repeats, rows in zip(batches, results, expected, strict=True):
+        for result in repeats:
+            for row, weights, reference in zip(result, batch, rows, strict=True):
+                assert_sums_close(row, reference, weights)
+
+
+def test_a_forked_child_reduces_batches():
+    # The row threads belong to the process that started them: a forked child must
+    # start its own rather than wait forever on threads it does not have.
+    vocab = [b"a", b"ab", b"b", b"bc", b"bd"]
+    ws = np.random.default_rng(5).normal(size=(4, len(vocab)))
+    trie = TokenCharacterTrie(vocab)
+    trie.batch_weight_sum(ws)  # starts this process's row threads
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=lambda: results.put(trie.batch_weight_sum(ws)))
+    child.start()
+    try:
+        from_child = results.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    items = node_items(trie, vocab)
+    for row, weights in zip(from_child, ws, strict=True):
+        assert_sums_close(row, reduce_nodes(items, weights, "sum"), weights)
 
 
 def test_many_items_and_deep_chains_match_brute_force():

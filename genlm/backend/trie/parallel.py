@@ -3,7 +3,8 @@
 The trie and its reduction plan are those of `TokenCharacterTrie` (see
 `genlm.backend.trie.base`). On a CUDA device the plan's index arrays live on
 the device as tensors, built once, and a whole batch goes through each step of
-the plan at once (gathers, element-wise doubling tables, one final gather).
+the plan at once (gathers and element-wise doubling tables, computed in place
+in the `(batch, nodes)` result).
 
 On the CPU the class runs the sequential class's numpy path. The plan is made
 of gathers, and torch's CPU gathers are several times slower than numpy's fast
@@ -15,7 +16,6 @@ cores are busy. `_TorchPlan` still runs on the CPU, which is how the tests check
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,46 +48,52 @@ class _TorchPlan:
 
         self.plan = plan
         self.perm = tensor(plan.perm)
-        self.node_slot = tensor(plan.node_slot)
+        self.chain_source = tensor(plan.chain_source)
         self.rows = [None if level.row is None else tensor(level.row) for level in plan.levels]
+        self.sparse_steps = [
+            [(tensor(left), tensor(right)) for left, right in level.sparse_steps]
+            for level in plan.levels
+        ]
         self.table_positions = [list(map(tensor, level.table_positions)) for level in plan.levels]
         self.windows = [list(map(tensor, level.windows)) for level in plan.levels]
-        self._workspace = torch.empty(0, dtype=torch.float64, device=device)
-        self._lock = threading.Lock()
-
-    def _buffer(self, numel: int) -> torch.Tensor:
-        """Scratch memory kept between calls (fresh memory costs page faults on every call)."""
-        if self._workspace.numel() < numel:
-            self._workspace = torch.empty(numel, dtype=torch.float64, device=self._workspace.device)
-        return self._workspace[:numel]
 
     def nbytes(self) -> int:
         """Bytes of the index tensors."""
-        tensors = [self.perm, self.node_slot, *(row for row in self.rows if row is not None)]
+        tensors = [self.perm, self.chain_source, *(row for row in self.rows if row is not None)]
         for level in self.table_positions + self.windows:
             tensors += level
+        for level in self.sparse_steps:
+            for pair in level:
+                tensors += pair
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def run(self, weights: torch.Tensor, op) -> torch.Tensor:
+    def run(self, weights: torch.Tensor, op, reduce) -> torch.Tensor:
         """Every node's value for each row of `weights` (float64, `(batch, num_items)`).
 
-        The whole batch goes through each step of the plan at once, the item and
-        group values in a `(batch, values)` workspace kept between calls; calls
-        from several threads take turns.
-        """
-        with self._lock:
-            return self._run(weights, op)
+        The whole batch goes through each step of the plan at once, computing the
+        values in place in the `(batch, nodes)` result (see `_ReductionPlan`).
 
-    def _run(self, weights: torch.Tensor, op) -> torch.Tensor:
-        plan, batch = self.plan, len(weights)
-        values = self._buffer(batch * plan.values_stop).view(batch, plan.values_stop)
-        torch.index_select(weights, 1, self.perm, out=values[:, : plan.num_items])
-        levels = zip(plan.levels, self.rows, self.table_positions, self.windows, strict=True)
-        for level, row, table_positions, windows in levels:
-            table = values[:, : plan.num_items] if row is None else values.index_select(1, row)
+        Args:
+            weights: The weight rows.
+            op: The element-wise reduction (`torch.add` or `torch.maximum`).
+            reduce: The same reduction along a dimension (`torch.sum` or `torch.amax`).
+        """
+        plan, items, device = self.plan, slice(1, 1 + self.plan.num_items), weights.device
+        out = torch.empty((len(weights), plan.num_nodes), dtype=torch.float64, device=device)
+        values = out[:, : plan.values_stop]
+        values[:, 0] = reduce(weights, dim=1)
+        torch.index_select(weights, 1, self.perm, out=values[:, items])
+        steps = zip(self.rows, self.sparse_steps, self.table_positions, self.windows, strict=True)
+        for level, (row, sparse_steps, table_positions, windows) in zip(
+            plan.levels, steps, strict=True
+        ):
+            table = values[:, items] if row is None else values.index_select(1, row)
             staged = []
             for b, positions in enumerate(table_positions):
-                if b:
+                if b >= level.dense_tables:
+                    left, right = sparse_steps[b - level.dense_tables]
+                    table = op(table.index_select(1, left), table.index_select(1, right))
+                elif b:
                     half = 1 << (b - 1)
                     table = op(table[:, :-half], table[:, half:])
                 staged.append(table.index_select(1, positions))
@@ -99,7 +105,8 @@ class _TorchPlan:
                 else:
                     head = block[:, : len(positions)]
                     head.copy_(op(head, stage.index_select(1, positions)))
-        return values.index_select(1, self.node_slot)
+        out[:, plan.values_stop :] = values.index_select(1, self.chain_source)
+        return out
 
 
 class ParallelTokenCharacterTrie(TokenCharacterTrie):
@@ -108,11 +115,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     Same attributes, methods and results as `TokenCharacterTrie` (results are
     float64 numpy arrays). On CUDA the reduction plan's index tensors are built
     once on the device, weight vectors are moved there, and a whole batch goes
-    through each step at once, in a float64 workspace kept on the device and grown
-    to the largest batch seen (items plus branching nodes per batch row: 1.7 MB
-    per row for qwen2's vocabulary; calls from several threads take turns). On the CPU the
-    reductions run the sequential class's numpy path, which is faster there (see
-    the module docstring).
+    through each step at once, in place in a float64 result on the device. On the
+    CPU the reductions run the sequential class's numpy path, which is faster there
+    (see the module docstring).
 
     Args:
         decode: The vocabulary items (see `TokenCharacterTrie`).
@@ -166,5 +171,6 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     def _reduce(self, weights: np.ndarray | torch.Tensor, op: np.ufunc, empty: float) -> np.ndarray:
         if self._on_cpu() or not self.decode:
             return super()._reduce(weights, op, empty)
-        torch_op = torch.add if op is np.add else torch.maximum
-        return self._torch_plan.run(weights, torch_op).cpu().numpy()
+        if op is np.add:
+            return self._torch_plan.run(weights, torch.add, torch.sum).cpu().numpy()
+        return self._torch_plan.run(weights, torch.maximum, torch.amax).cpu().numpy()

@@ -294,11 +294,12 @@ class _PlanLevel:
             level 0, which reduces over the sorted items.
         width: Length of the row.
         bits: Number of doubling tables (window sizes `2**0 .. 2**(bits - 1)`).
-        start, stop: The level writes its group values at workspace `start .. stop`.
+        start, stop: The level writes its group values at output positions
+            `start .. stop`.
         dense_tables: Tables `0 .. dense_tables - 1` are whole (table 0 is the row).
         sparse_steps: For each later table `b`, indices `(left, right)` into table
-            `b - 1`: that table holds, in order, only the entries some window of size
-            `2**b` or some later table needs, `op(previous[left], previous[right])`.
+            `b - 1`. Table `b` holds, in order, only the entries that windows of size
+            `2**b` or later tables read, `op(table_b_minus_1[left], table_b_minus_1[right])`.
         table_positions: `table_positions[b]` lists where, in table `b`, the windows of
             size `2**b` start; their values are staged one after the other (bit by bit).
         windows: `windows[j]` holds, for the first `len(windows[j])` groups of the

@@ -82,7 +82,7 @@ class _TorchPlan:
         out = torch.empty((len(weights), plan.num_nodes), dtype=torch.float64, device=device)
         values = out[:, : plan.values_stop]
         values[:, 0] = reduce(weights, dim=1)
-        torch.index_select(weights, 1, self.perm, out=values[:, items])
+        values[:, items] = weights.index_select(1, self.perm)
         steps = zip(self.rows, self.sparse_steps, self.table_positions, self.windows, strict=True)
         for level, (row, sparse_steps, table_positions, windows) in zip(
             plan.levels, steps, strict=True

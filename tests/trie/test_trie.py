@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from genlm.backend import ParallelTokenCharacterTrie, Token, TokenCharacterTrie
+from genlm.backend.trie import base as trie_base
 
 
 def symbols_of(item) -> tuple:
@@ -264,6 +265,20 @@ def test_threads_calling_at_once_get_their_own_results():
         for result in repeats:
             for row, weights, reference in zip(result, batch, rows, strict=True):
                 assert_sums_close(row, reference, weights)
+
+
+def test_batches_shared_among_more_threads_than_this_machine_has(monkeypatch):
+    # Machines with more cores split a batch into more shares, of unequal sizes here.
+    monkeypatch.setattr(trie_base, "_row_thread_count", lambda: 4)
+    rng = np.random.default_rng(6)
+    vocab = sorted({bytes(rng.integers(97, 101, size=rng.integers(1, 6))) for _ in range(200)})
+    ws = rng.normal(size=(7, len(vocab)))
+    trie = TokenCharacterTrie(vocab)
+    items = node_items(trie, vocab)
+    for row, weights in zip(trie.batch_weight_sum(ws), ws, strict=True):
+        assert_sums_close(row, reduce_nodes(items, weights, "sum"), weights)
+    for row, weights in zip(trie.batch_weight_max(ws), ws, strict=True):
+        np.testing.assert_array_equal(row, reduce_nodes(items, weights, "max"))
 
 
 def test_a_forked_child_reduces_batches():

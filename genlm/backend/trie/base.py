@@ -27,7 +27,8 @@ a prefix of the level's groups). A level thus costs a few vectorised operations
 whatever the shape of the trie, and the sums stay exact to floating-point
 rounding (no prefix-sum differences). The plan is plain index arrays;
 `TokenCharacterTrie` runs it with numpy one weight row at a time, in place in
-the row of the result (a batch's rows are shared among one thread per core),
+the row of the result (a batch's rows are shared among one thread per core, up
+to 8),
 `ParallelTokenCharacterTrie` with torch on CUDA.
 """
 
@@ -53,6 +54,7 @@ _FIRST_LEVEL_BITS = 6
 _FIRST_FREE_CODE = 256
 # Cost of a table entry computed from gathered pairs, in entries of a whole table.
 _SPARSE_ENTRY_COST = 3
+_MAX_ROW_THREADS = 8
 
 
 # --------------------------------------------------------------------------- items
@@ -623,24 +625,30 @@ def _run_plan(
         values.take(plan.chain_source, out=out_row[plan.values_stop :], mode="clip")
 
 
-def _core_count() -> int:
-    """Cores this process may run on."""
+def _row_thread_count() -> int:
+    """How many threads share a batch's rows.
+
+    One per core this process may run on, at most `_MAX_ROW_THREADS`: the work is
+    bound by memory traffic, and each thread keeps a workspace.
+    """
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return min(cores, _MAX_ROW_THREADS)
 
 
 _ROW_POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 def _row_pool() -> ThreadPoolExecutor:
-    """Threads that reduce a batch's rows beside the calling thread: one per other core.
+    """Threads that reduce a batch's rows beside the calling thread.
 
     One pool per process id, so that a forked child never waits on its parent's threads.
     """
     pool = _ROW_POOLS.get(os.getpid())
     if pool is None:
-        pool = ThreadPoolExecutor(max(1, _core_count() - 1), thread_name_prefix="genlm-trie")
+        pool = ThreadPoolExecutor(max(1, _row_thread_count() - 1), thread_name_prefix="genlm-trie")
         pool = _ROW_POOLS.setdefault(os.getpid(), pool)
     return pool
 
@@ -738,8 +746,8 @@ class TokenCharacterTrie:
     Node ids are chosen for the reductions: the root is 0, the leaves follow in the
     order of their items' symbols, then the branching nodes, then the nodes with a
     single child. The reductions are vectorised (see the module docstring) and
-    return float64 arrays. A batch's rows are shared among one thread per core
-    (numpy releases the GIL in the gathers and element-wise passes that do the
+    return float64 arrays. A batch's rows are shared among one thread per core, up
+    to 8 (numpy releases the GIL in the gathers and element-wise passes that do the
     work). Each computing thread uses a float64 workspace kept by the trie between
     calls (about 5 MB for qwen2's vocabulary). The trie also keeps a reference to
     each result it returns and writes a later result of the same shape into that
@@ -854,7 +862,8 @@ class TokenCharacterTrie:
         if not self.decode:
             return np.full((len(weights), 1), empty)
         out = self._output(len(weights))
-        bounds = np.linspace(0, len(weights), min(len(weights), _core_count()) + 1).astype(int)
+        threads = min(len(weights), _row_thread_count())
+        bounds = np.linspace(0, len(weights), threads + 1).astype(int)
         shares = [slice(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         futures = [
             _row_pool().submit(self._reduce_rows, weights[rows], op, out[rows])

@@ -17,11 +17,11 @@ Run: `HF_HUB_OFFLINE=1 python benchmarks/bench_trie.py [--repeats 15] [--threads
 (about a minute). `ParallelTokenCharacterTrie("cpu")` runs the same numpy path as
 the sequential class (torch's CPU gathers are slower on this job), so `--threads`
 only matters for the tokenizer and the reference; batch calls use one thread per
-core of the process (up to 8) whatever it says. The batch figures are those of a caller that
-drops each result before the next call (as a sampler does), whose memory the trie
-reuses; the "kept" line shows a caller that keeps every result. On a machine whose cores are
-shared with other busy processes, wall-clock figures are inflated; the process
-CPU time printed next to them shows the work itself.
+core of the process (up to 8) whatever it says. The batch figures are those of a
+caller that drops each result before the next call (as a sampler does), whose
+memory the trie reuses; the "kept" line shows a caller that keeps every result.
+On a machine whose cores are shared with other busy processes, wall-clock figures
+are inflated; the process CPU time printed next to them shows the work itself.
 """
 
 from __future__ import annotations

@@ -292,18 +292,18 @@ class _PlanLevel:
     """One level of a reduction plan (see the module docstring).
 
     Attributes:
-        row: Workspace positions of the values the level reduces over; `None` at
+        row: Output positions of the values the level reduces over; `None` at
             level 0, which reduces over the sorted items.
         width: Length of the row.
-        bits: Number of doubling tables (window sizes `2**0 .. 2**(bits - 1)`).
         start, stop: The level writes its group values at output positions
             `start .. stop`.
         dense_tables: Tables `0 .. dense_tables - 1` are whole (table 0 is the row).
         sparse_steps: For each later table `b`, indices `(left, right)` into table
             `b - 1`. Table `b` holds, in order, only the entries that windows of size
             `2**b` or later tables read, `op(table_b_minus_1[left], table_b_minus_1[right])`.
-        table_positions: `table_positions[b]` lists where, in table `b`, the windows of
-            size `2**b` start; their values are staged one after the other (bit by bit).
+        table_positions: One entry per doubling table: `table_positions[b]` lists where,
+            in table `b`, the windows of size `2**b` start; their values are staged one
+            after the other (bit by bit).
         windows: `windows[j]` holds, for the first `len(windows[j])` groups of the
             level, the staged position of their `j`-th window; groups are ordered by
             number of windows, most first.
@@ -311,7 +311,6 @@ class _PlanLevel:
 
     row: np.ndarray | None
     width: int
-    bits: int
     start: int
     stop: int
     dense_tables: int
@@ -509,7 +508,7 @@ def _plan(trie: _SortedTrie, num_items: int) -> tuple[_ReductionPlan, np.ndarray
         return np.where(entities < num_items, 1 + entities, group_slot)
 
     plan_levels = []
-    for (members, _, _, bits, row), (first_group, table_positions, windows) in zip(
+    for (members, _, _, _, row), (first_group, table_positions, windows) in zip(
         specs, level_windows, strict=True
     ):
         width = num_items if row is None else len(row)
@@ -518,7 +517,6 @@ def _plan(trie: _SortedTrie, num_items: int) -> tuple[_ReductionPlan, np.ndarray
             _PlanLevel(
                 row=None if row is None else slot_of_entity(row),
                 width=width,
-                bits=bits,
                 start=group_start + first_group,
                 stop=group_start + first_group + len(members),
                 dense_tables=dense_tables,

@@ -271,3 +271,51 @@ async def test_batch_size_and_timeout_can_change_between_calls(make_evaluator):
     batcher.timeout = 0.001
     assert await gather(*(batcher.submit(x) for x in (3, 4, 5, 6))) == [9, 16, 25, 36]
     assert evaluate.batches == [[1, 2], [3, 4, 5], [6]]
+
+
+class TensorRecorder(Recorder):
+    """Answers each request with a fresh tensor holding its square."""
+
+    def __call__(self, requests):
+        return [torch.full((4,), float(r)) for r in super().__call__(requests)]
+
+
+async def test_callers_sharing_a_request_each_own_their_result():
+    batcher = AutoBatcher(TensorRecorder(), batch_size=2, timeout=NEVER, key=lambda r: r)
+    first, second, other = await gather(batcher.submit(2), batcher.submit(2), batcher.submit(3))
+    assert first.data_ptr() != second.data_ptr()
+    first.fill_(-1.0)  # one caller changes its result in place
+    assert torch.equal(second, torch.full((4,), 4.0)) and torch.equal(other, torch.full((4,), 9.0))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_threads_with_their_own_loops_are_all_served(kind):
+    """Each thread runs its own event loop against one batcher; nobody is cancelled."""
+    import threading
+
+    evaluate = TensorRecorder() if kind == "sync" else AsyncRecorder()
+    batcher = AutoBatcher(evaluate, batch_size=4, timeout=0.005, key=lambda r: r)
+    barrier = threading.Barrier(2)
+    outcomes: dict[int, list] = {}
+
+    def worker(offset: int) -> None:
+        async def run() -> list:
+            barrier.wait()  # both loops submit at the same time
+            results = []
+            for step in range(20):
+                batch = [offset + 10 * step + i for i in range(3)]
+                results.append(await gather(*(batcher.submit(x) for x in batch)))
+            return results
+
+        outcomes[offset] = asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in (0, 1000)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_GUARD)
+    for offset in (0, 1000):
+        for step, results in enumerate(outcomes[offset]):
+            expected = [(offset + 10 * step + i) ** 2 for i in range(3)]
+            got = [float(r[0]) if isinstance(r, torch.Tensor) else r for r in results]
+            assert got == expected

@@ -105,3 +105,15 @@ def test_move_to_cpu_stores_on_cpu_and_returns_on_the_original_device():
     plain = OutputCache(maxsize=2)
     plain[(1,)] = out
     assert plain[(1,)].device.type == "cuda"
+
+
+@pytest.mark.parametrize("move_to_cpu", [False, True])
+def test_entries_are_private_copies(move_to_cpu):
+    cache = OutputCache(maxsize=2, move_to_cpu=move_to_cpu)
+    stored = tensor(1)
+    cache[(1,)] = stored
+    stored.fill_(7)  # the caller changes what it stored
+    first = cache[(1,)]
+    first.fill_(9)  # and what it read
+    assert torch.equal(cache[(1,)], tensor(1))
+    assert cache[(1,)].data_ptr() != cache[(1,)].data_ptr()

@@ -8,14 +8,18 @@ oldest waiting one arrived, whichever comes first.
 Guarantees:
 
 - Requests with the same key (see `key`) are evaluated once per batch, and a
-  request whose key is already being evaluated joins that evaluation.
+  request whose key is already being evaluated joins that evaluation. Each
+  caller gets its own result: callers beyond the first of a shared request get
+  a copy (`clone()` or `copy()` of the result, when it has one).
 - An exception raised by the evaluator reaches exactly the callers of that
   batch; later batches run normally.
 - A caller that cancels its await is skipped; a request whose callers have
   all cancelled is not evaluated.
 - `reset()` cancels every waiting caller, so nobody hangs.
-- A batcher created outside an event loop, or used by successive
-  `asyncio.run` calls, binds itself to the loop that is running when used.
+- Requests are queued per event loop: a batcher created outside an event
+  loop, used by successive `asyncio.run` calls, or used at the same time from
+  several threads that each run their own loop, batches each loop's requests
+  separately and delivers every result in the caller's own loop.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -42,6 +47,23 @@ class _Entry(Generic[RequestT]):
         return [f for f in self.futures if not f.done()]
 
 
+class _LoopQueue:
+    """The requests of one event loop: waiting, being evaluated, and its batch timer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: dict[Hashable, _Entry] = {}
+        self.in_flight: dict[Hashable, _Entry] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.lock = asyncio.Lock()
+        self.tasks: set[asyncio.Task] = set()
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
 class AutoBatcher(Generic[RequestT, ResultT]):
     """Collects concurrent requests and evaluates them in batches.
 
@@ -49,7 +71,7 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         evaluate: Called with a list of distinct requests; returns one result
             per request, in order. May be a plain function (run inline in the
             event loop, and also usable through `flush()`) or a coroutine
-            function (batches then run one at a time, as tasks).
+            function (batches then run one at a time per event loop, as tasks).
         batch_size: Number of distinct waiting requests that triggers a batch.
         timeout: Seconds after the oldest waiting request that trigger a batch.
         key: Maps a request to a hashable key; requests with equal keys are
@@ -72,12 +94,8 @@ class AutoBatcher(Generic[RequestT, ResultT]):
             type(evaluate).__call__
         )
         self._counter = itertools.count()
-        self._pending: dict[Hashable, _Entry] = {}
-        self._in_flight: dict[Hashable, _Entry] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._lock: asyncio.Lock | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._queues: dict[asyncio.AbstractEventLoop, _LoopQueue] = {}
+        self._queues_lock = threading.Lock()
 
     @property
     def batch_size(self) -> int:
@@ -103,8 +121,8 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
     @property
     def pending(self) -> list[RequestT]:
-        """The distinct requests waiting for a batch, oldest first."""
-        return [entry.request for entry in self._pending.values()]
+        """The distinct requests waiting for a batch, oldest first (per event loop)."""
+        return [entry.request for q in self._live_queues() for entry in q.pending.values()]
 
     async def submit(self, request: RequestT) -> ResultT:
         """Queue `request` and wait for its result.
@@ -113,7 +131,7 @@ class AutoBatcher(Generic[RequestT, ResultT]):
             request: The request to evaluate.
 
         Returns:
-            The evaluator's result for `request`.
+            The evaluator's result for `request` (the caller's own).
 
         Raises:
             Exception: Whatever the evaluator raised for this request's batch.
@@ -128,98 +146,102 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
         Args:
             request: The request to evaluate.
-            future: A future of the running event loop.
+            future: A future of the event loop of the calling thread.
         """
-        self._bind(future.get_loop())
+        queue = self._queue(future.get_loop())
         key = self._key(request) if self._key is not None else next(self._counter)
-        entry = self._in_flight.get(key) or self._pending.get(key)
+        entry = queue.in_flight.get(key) or queue.pending.get(key)
         if entry is None:
-            entry = self._pending[key] = _Entry(request)
+            entry = queue.pending[key] = _Entry(request)
         entry.futures.append(future)
-        if len(self._pending) >= self.batch_size:
-            self._trigger()
-        elif self._pending and self._timer is None:
-            self._timer = self._loop.call_later(self.timeout, self._trigger)
+        if len(queue.pending) >= self.batch_size:
+            self._trigger(queue)
+        elif queue.pending and queue.timer is None:
+            queue.timer = queue.loop.call_later(self.timeout, self._trigger, queue)
 
     def flush(self) -> None:
         """Evaluate everything waiting now, synchronously (plain evaluators only).
 
-        Does nothing when no request is waiting.
+        Does nothing when no request is waiting. Results for callers of an
+        event loop running in another thread are handed to that loop.
 
         Raises:
             TypeError: If the evaluator is a coroutine function.
         """
         if self._is_async:
             raise TypeError("flush() needs a synchronous evaluator; this one is async")
-        self._cancel_timer()
-        while self._pending:
-            keys, entries = self._take_batch()
-            if entries:
-                self._evaluate_sync(keys, entries)
+        for queue in self._live_queues():
+            self._flush_queue(queue)
 
     def reset(self) -> None:
         """Cancel every waiting and in-flight caller; queued requests are dropped."""
-        self._cancel_timer()
-        for entry in [*self._pending.values(), *self._in_flight.values()]:
-            for future in entry.futures:
-                if not future.done() and not future.get_loop().is_closed():
-                    future.cancel()
-        self._pending.clear()
-        self._in_flight.clear()
+        for queue in self._live_queues():
+            queue.cancel_timer()
+            for entry in [*queue.pending.values(), *queue.in_flight.values()]:
+                for future in entry.futures:
+                    _in_loop(future, future.cancel)
+            queue.pending.clear()
+            queue.in_flight.clear()
 
     async def aclose(self) -> None:
-        """Cancel waiting callers and wait for running batches to finish."""
+        """Cancel waiting callers and wait for this loop's running batches to finish."""
         self.reset()
-        tasks = [t for t in self._tasks if t.get_loop() is asyncio.get_running_loop()]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        queue = self._queues.get(asyncio.get_running_loop())
+        if queue is not None and queue.tasks:
+            await asyncio.gather(*queue.tasks, return_exceptions=True)
 
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._loop is loop:
-            return
-        # A new event loop (e.g. a later asyncio.run): state of the old one is unusable.
-        self.reset()
-        self._tasks.clear()
-        self._loop = loop
-        self._lock = asyncio.Lock()
+    def _queue(self, loop: asyncio.AbstractEventLoop) -> _LoopQueue:
+        queue = self._queues.get(loop)
+        if queue is None:
+            with self._queues_lock:
+                for closed in [other for other in self._queues if other.is_closed()]:
+                    del self._queues[closed]  # what a finished `asyncio.run` left behind
+                queue = self._queues[loop] = _LoopQueue(loop)
+        return queue
 
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def _live_queues(self) -> list[_LoopQueue]:
+        with self._queues_lock:
+            return [q for loop, q in self._queues.items() if not loop.is_closed()]
 
-    def _trigger(self) -> None:
-        self._timer = None
+    def _trigger(self, queue: _LoopQueue) -> None:
+        queue.timer = None
         if not self._is_async:
-            self.flush()
+            self._flush_queue(queue)
             return
-        task = self._loop.create_task(self._run_async_batch())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = queue.loop.create_task(self._run_async_batch(queue))
+        queue.tasks.add(task)
+        task.add_done_callback(queue.tasks.discard)
 
-    def _take_batch(self) -> tuple[list[Hashable], list[_Entry]]:
+    def _flush_queue(self, queue: _LoopQueue) -> None:
+        queue.cancel_timer()
+        while queue.pending:
+            keys, entries = self._take_batch(queue)
+            if entries:
+                self._evaluate_sync(queue, keys, entries)
+
+    def _take_batch(self, queue: _LoopQueue) -> tuple[list[Hashable], list[_Entry]]:
         keys, entries = [], []
-        while self._pending and len(entries) < self.batch_size:
-            key, entry = next(iter(self._pending.items()))
-            del self._pending[key]
+        while queue.pending and len(entries) < self.batch_size:
+            key, entry = next(iter(queue.pending.items()))
+            del queue.pending[key]
             if entry.live_futures():
                 keys.append(key)
                 entries.append(entry)
         return keys, entries
 
-    async def _run_async_batch(self) -> None:
-        self._cancel_timer()
-        async with self._lock:
-            keys, entries = self._take_batch()
-            if self._pending:
-                if len(self._pending) >= self.batch_size:
-                    self._trigger()
-                elif self._timer is None:
-                    self._timer = self._loop.call_later(self.timeout, self._trigger)
+    async def _run_async_batch(self, queue: _LoopQueue) -> None:
+        queue.cancel_timer()
+        async with queue.lock:
+            keys, entries = self._take_batch(queue)
+            if queue.pending:
+                if len(queue.pending) >= self.batch_size:
+                    self._trigger(queue)
+                elif queue.timer is None:
+                    queue.timer = queue.loop.call_later(self.timeout, self._trigger, queue)
             if not entries:
                 return
             for key, entry in zip(keys, entries, strict=True):
-                self._in_flight[key] = entry
+                queue.in_flight[key] = entry
             try:
                 results = await self.evaluate([e.request for e in entries])
                 error = None
@@ -227,19 +249,21 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                 results, error = None, exc
             finally:
                 for key in keys:
-                    self._in_flight.pop(key, None)
+                    queue.in_flight.pop(key, None)
             self._resolve(entries, results, error)
 
-    def _evaluate_sync(self, keys: list[Hashable], entries: list[_Entry]) -> None:
+    def _evaluate_sync(
+        self, queue: _LoopQueue, keys: list[Hashable], entries: list[_Entry]
+    ) -> None:
         for key, entry in zip(keys, entries, strict=True):
-            self._in_flight[key] = entry
+            queue.in_flight[key] = entry
         try:
             results, error = self.evaluate([e.request for e in entries]), None
         except Exception as exc:  # delivered to the batch's callers
             results, error = None, exc
         finally:
             for key in keys:
-                self._in_flight.pop(key, None)
+                queue.in_flight.pop(key, None)
         self._resolve(entries, results, error)
 
     @staticmethod
@@ -256,8 +280,43 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                         f"batch evaluator returned {count} results for {len(entries)} requests"
                     )
         for i, entry in enumerate(entries):
-            for future in entry.live_futures():
+            for n, future in enumerate(entry.live_futures()):
                 if error is not None:
-                    future.set_exception(error)
+                    _in_loop(future, _set_exception, future, error)
                 else:
-                    future.set_result(results[i])
+                    result = results[i] if n == 0 else _own_copy(results[i])
+                    _in_loop(future, _set_result, future, result)
+
+
+def _own_copy(result: Any) -> Any:
+    """A copy of `result` for a further caller of the same request (tensors, arrays, lists)."""
+    for method in ("clone", "copy"):
+        copy = getattr(result, method, None)
+        if callable(copy):
+            return copy()
+    return result
+
+
+def _in_loop(future: asyncio.Future, callback: Callable[..., Any], *args: Any) -> None:
+    """Run `callback(*args)` in `future`'s loop: now, or handed over when another thread runs it."""
+    loop = future.get_loop()
+    if loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop or not loop.is_running():
+        callback(*args)
+    else:
+        loop.call_soon_threadsafe(callback, *args)
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -7,7 +7,7 @@ import hashlib
 import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -57,10 +57,90 @@ def check_token_ids(
     return tuple(int(t) for t in token_ids)
 
 
+AdapterT = TypeVar("AdapterT")
+
+
+class LoraRegistry(Generic[AdapterT]):
+    """The LoRA adapters a backend has registered, by name, and the active one.
+
+    Every backend keeps one; it holds whatever the engine needs per adapter
+    (a name for peft, a `LoRARequest` for vLLM, ...). `select` turns a call's
+    `lora_name` into the adapter name to use: `None` means the adapter made
+    active by `set_lora`, else the base model (also `None`).
+
+    Attributes:
+        active: Name of the adapter `lora_name=None` selects, or `None`.
+    """
+
+    def __init__(self) -> None:
+        self._adapters: dict[str, AdapterT] = {}
+        self.active: str | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the registered adapters, in registration order."""
+        return list(self._adapters)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._adapters
+
+    def __getitem__(self, name: str) -> AdapterT:
+        return self._adapters[self.check(name)]
+
+    def add(self, name: str, adapter: AdapterT) -> None:
+        """Register `adapter` under `name` (replacing an adapter of that name).
+
+        Raises:
+            TypeError: If `name` is not a string.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"lora_name must be a str, got {type(name).__name__}")
+        self._adapters.pop(name, None)
+        self._adapters[name] = adapter
+
+    def remove(self, name: str) -> AdapterT:
+        """Unregister `name` (deactivating it if active) and return its adapter.
+
+        Raises:
+            ValueError: If no adapter is registered under `name`.
+        """
+        adapter = self._adapters.pop(self.check(name))
+        if self.active == name:
+            self.active = None
+        return adapter
+
+    def check(self, name: str) -> str:
+        """Return `name` if an adapter is registered under it.
+
+        Raises:
+            ValueError: If none is; the message lists the registered adapters.
+        """
+        if not isinstance(name, str) or name not in self._adapters:
+            registered = ", ".join(map(repr, self._adapters)) or "none"
+            raise ValueError(f"no LoRA adapter named {name!r}; registered adapters: {registered}")
+        return name
+
+    def select(self, lora_name: str | None) -> str | None:
+        """The adapter a call with `lora_name` uses (`None`: the base model).
+
+        Args:
+            lora_name: A registered adapter's name, or `None` for the active
+                adapter (the base model when none is active).
+
+        Raises:
+            ValueError: If `lora_name` is not registered.
+        """
+        return self.active if lora_name is None else self.check(lora_name)
+
+
 class AsyncLM(ABC):
     """A language model that answers next-token log-probability queries.
 
     Concurrent `await`s of `next_token_logprobs` are batched by the backend.
+
+    Every query method takes `lora_name=None`: `None` uses the adapter made
+    active by `set_lora` (the base model when none is), a registered adapter's
+    name uses that adapter for this call only.
 
     Args:
         tokenizer: A Hugging Face tokenizer; its exact byte vocabulary becomes
@@ -70,60 +150,88 @@ class AsyncLM(ABC):
         tokenizer: The tokenizer.
         byte_vocab: `byte_vocab[i]` is the `Token` of id `i`.
         str_vocab: `str_vocab[i]` is the text of token `i`.
+        vocab_size: Length of a logprobs row (the model's output vocabulary);
+            set by each backend.
+        loras: The registered LoRA adapters (none for backends without LoRA).
     """
+
+    vocab_size: int
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.byte_vocab, self.str_vocab = decode_vocab(tokenizer)
+        self.loras: LoraRegistry[Any] = LoraRegistry()
 
     @abstractmethod
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token after `token_ids`.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D tensor over the model's output vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor over the model's output vocabulary with
+            `logsumexp == 0`, owned by the caller.
         """
 
     @abstractmethod
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Synchronous `next_token_logprobs`.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D tensor over the model's output vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor over the model's output vocabulary with
+            `logsumexp == 0`, owned by the caller.
         """
 
     async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Next-token log-probabilities of several contexts, computed concurrently.
 
         Args:
-            token_ids_list: The contexts.
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 2-D tensor, one row per context, in input order.
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context).
         """
-        rows = await asyncio.gather(*(self.next_token_logprobs(ids) for ids in token_ids_list))
+        if len(token_ids_list) == 0:
+            self.loras.select(lora_name)
+            return torch.empty((0, self.vocab_size))
+        rows = await asyncio.gather(
+            *(self.next_token_logprobs(ids, lora_name=lora_name) for ids in token_ids_list)
+        )
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Synchronous `batch_next_token_logprobs`.
 
         Args:
-            token_ids_list: The contexts.
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 2-D tensor, one row per context, in input order.
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context).
         """
-        return torch.stack([self.next_token_logprobs_sync(ids) for ids in token_ids_list])
+        if len(token_ids_list) == 0:
+            self.loras.select(lora_name)
+            return torch.empty((0, self.vocab_size))
+        return torch.stack(
+            [self.next_token_logprobs_sync(ids, lora_name=lora_name) for ids in token_ids_list]
+        )
 
     async def sample(
         self,
@@ -132,6 +240,7 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
         """Ancestral sampling from the model.
 
@@ -141,14 +250,17 @@ class AsyncLM(ABC):
             eos_token_ids: Sampling stops at the first of these (not returned).
             temperature: Divides the logits; must be positive.
             seed: Seeds the sampler; the same seed gives the same tokens.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
             The generated token ids, without the prompt or the stopping token.
 
         Raises:
-            ValueError: If `max_tokens` is negative or `temperature` is not positive.
+            ValueError: If `max_tokens` is negative, `temperature` is not
+                positive or `lora_name` is not registered.
         """
         check_sampling_args(max_tokens, temperature)
+        self.loras.select(lora_name)
         generator = torch.Generator()
         if seed is not None:
             generator.manual_seed(seed)
@@ -157,7 +269,7 @@ class AsyncLM(ABC):
         stop = set(eos_token_ids)
         context, generated = list(prompt_token_ids), []
         for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(context)
+            logprobs = await self.next_token_logprobs(context, lora_name=lora_name)
             token_id = draw_token(logprobs, temperature, generator)
             if token_id in stop:
                 break
@@ -172,6 +284,7 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[list[int]]:
         """Sample a continuation of each prompt, concurrently.
 
@@ -181,6 +294,7 @@ class AsyncLM(ABC):
             eos_token_ids: Sampling stops at the first of these (not returned).
             temperature: Divides the logits; must be positive.
             seed: Seeds the samplers (prompt `i` uses `seed + i`).
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
             One list of generated token ids per prompt, in input order.
@@ -194,6 +308,7 @@ class AsyncLM(ABC):
                         eos_token_ids,
                         temperature,
                         None if seed is None else seed + i,
+                        lora_name=lora_name,
                     )
                     for i, prompt in enumerate(prompt_token_ids_list)
                 )
@@ -213,6 +328,10 @@ class AsyncLM(ABC):
 
     def clear_lora(self) -> None:
         """Deactivate LoRA adapters (not supported by this backend)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister a LoRA adapter (not supported by this backend)."""
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
 
 
@@ -261,37 +380,44 @@ class MockAsyncLM(AsyncLM):
 
         return cls(AutoTokenizer.from_pretrained(model_name, **kwargs))
 
-    def _logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def _logprobs(self, token_ids: Sequence[int], lora_name: str | None) -> torch.Tensor:
+        self.loras.select(lora_name)
         ids = check_token_ids(token_ids, self.vocab_size)
         digest = hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         logits = torch.randn(self.vocab_size, generator=generator)
         return torch.log_softmax(logits, dim=-1)
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Pseudo-random log-probabilities determined by `token_ids`.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: Must be `None`: the mock has no adapters.
 
         Returns:
             A 1-D tensor of length `len(tokenizer)` with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or any `lora_name`.
         """
-        return self._logprobs(token_ids)
+        return self._logprobs(token_ids, lora_name)
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Synchronous `next_token_logprobs`.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: Must be `None`: the mock has no adapters.
 
         Returns:
             A 1-D tensor of length `len(tokenizer)` with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or any `lora_name`.
         """
-        return self._logprobs(token_ids)
+        return self._logprobs(token_ids, lora_name)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -95,7 +96,8 @@ class AsyncTransformer(AsyncLM):
 
     Attributes:
         model: The model (wrapped in a `peft.PeftModel` once an adapter is added).
-        kv_cache: The `KVPrefixCache`.
+        vocab_size: Length of a logprobs row (the model's input embeddings).
+        kv_cache: The `KVPrefixCache`, one tree per adapter.
         output_cache: The `OutputCache` of results, keyed by `(adapter, token_ids)`.
     """
 
@@ -114,7 +116,7 @@ class AsyncTransformer(AsyncLM):
         self._n_layers = config.num_hidden_layers
         self._max_length = getattr(config, "max_position_embeddings", None)
         self._aligned_pasts = _has_sliding_window(config)
-        self._vocab_size = hf_model.get_input_embeddings().num_embeddings
+        self.vocab_size = hf_model.get_input_embeddings().num_embeddings
         self._device = hf_model.get_input_embeddings().weight.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
         self.kv_cache = KVPrefixCache(kv_cache_bytes)
@@ -123,8 +125,8 @@ class AsyncTransformer(AsyncLM):
             self._evaluate, batch_size, timeout, key=lambda query: query.key
         )
         self._workspace = _Workspace()
-        self._adapters: set[str] = set()
-        self._active_adapter: str | None = None
+        # Batches of event loops in different threads, and sync calls, take turns.
+        self._model_lock = threading.RLock()
 
     @classmethod
     def from_name(
@@ -191,88 +193,107 @@ class AsyncTransformer(AsyncLM):
         """The queries waiting for a batch, oldest first."""
         return self._batcher.pending
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token; concurrent calls are batched.
+
+        Calls for different adapters in one batching window are served by
+        one forward pass per adapter.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
             A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        query = Query(self._check(token_ids), self._active_adapter)
+        query = Query(self._check(token_ids), self.loras.select(lora_name))
         cached = self.output_cache.get(query.key)
         if cached is not None:
             return cached
         return await self._batcher.submit(query)
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token, computed now (no batching; caches used).
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
             A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        return self.batch_next_token_logprobs_sync([token_ids])[0]
+        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
 
     def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Log-probabilities after each context, computed now in one batch.
 
         Args:
-            token_ids_list: The contexts.
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 2-D tensor, one row per context, in input order.
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context).
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        queries = [Query(self._check(ids), self._active_adapter) for ids in token_ids_list]
+        adapter = self.loras.select(lora_name)
+        if len(token_ids_list) == 0:
+            return torch.empty((0, self.vocab_size))
+        queries = [Query(self._check(ids), adapter) for ids in token_ids_list]
         distinct = {query.key: query for query in queries}
         results = dict(zip(distinct, self._evaluate(list(distinct.values())), strict=True))
         return torch.stack([results[query.key] for query in queries])
 
-    def next_token_logprobs_uncached(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_uncached(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token from a plain forward pass, no cache of any kind.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
             A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
+        adapter = self.loras.select(lora_name)
         ids = self._check(token_ids)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
-        with torch.no_grad():
-            logits = self._call_model(self._active_adapter, input_ids=input_ids, use_cache=False)
+        with self._model_lock, torch.no_grad():
+            logits = self._call_model(adapter, input_ids=input_ids, use_cache=False)
         return torch.log_softmax(logits.logits[0, -1].float(), dim=-1)
 
-    def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
+    def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
         """Compute and keep the key/values (and the result) of a prompt.
 
-        Later queries that extend the prompt then only run the model on their
-        new tokens (as long as the prompt is not evicted).
+        Later queries that extend the prompt (under the same adapter) then only
+        run the model on their new tokens (as long as the prompt is not evicted).
 
         Args:
             prompt_tokens: The prompt's token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        self.next_token_logprobs_sync(prompt_tokens)
+        self.next_token_logprobs_sync(prompt_tokens, lora_name=lora_name)
 
     def walk_cache(
         self, token_ids: Sequence[int]
@@ -290,7 +311,7 @@ class AsyncTransformer(AsyncLM):
             `None` when nothing matched) and the index where that state ends.
             Every cached token carries key/values, so `next_token_index == base`.
         """
-        found = self.kv_cache.match(token_ids, self._active_adapter)
+        found = self.kv_cache.match(token_ids, self.loras.active)
         return found.node, found.length, found if found.length else None, found.length
 
     def add_query(self, query: Query, future: asyncio.Future, past: PrefixMatch | None) -> None:
@@ -336,8 +357,9 @@ class AsyncTransformer(AsyncLM):
 
         Args:
             lora_path: Folder of the adapter (as written by `save_pretrained`).
-            lora_name: Name to activate it by with `set_lora`. Loading another
-                adapter under a name in use replaces it and clears the caches.
+            lora_name: Name to select it by (`set_lora`, or `lora_name=` per
+                call). Loading an adapter under a name in use replaces it and
+                drops what was cached for the old one.
 
         Raises:
             ImportError: If peft is not installed.
@@ -346,52 +368,74 @@ class AsyncTransformer(AsyncLM):
             from peft import PeftModel
         except ImportError as error:
             raise ImportError("LoRA needs peft: pip install 'genlm-backend[lora]'") from error
-        if not isinstance(self.model, PeftModel):
-            self.model = PeftModel.from_pretrained(self.model, lora_path, adapter_name=lora_name)
-        else:
-            if lora_name in self._adapters:
-                self.model.delete_adapter(lora_name)
-                self.clear_cache()
-            self.model.load_adapter(lora_path, adapter_name=lora_name)
-        self.model.eval()
-        self._adapters.add(lora_name)
+        with self._model_lock:
+            if not isinstance(self.model, PeftModel):
+                self.model = PeftModel.from_pretrained(
+                    self.model, lora_path, adapter_name=lora_name
+                )
+            else:
+                if lora_name in self.loras:
+                    self.model.delete_adapter(lora_name)
+                    self._forget_adapter(lora_name)
+                self.model.load_adapter(lora_path, adapter_name=lora_name)
+            self.model.eval()
+            self.loras.add(lora_name, lora_path)
 
     def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
         """Activate an adapter, loading it from `lora_path` first if it is new.
 
         Args:
             lora_path: Folder of the adapter; needed only if `lora_name` was not added.
-            lora_name: The adapter to activate.
+            lora_name: The adapter that calls with `lora_name=None` use from now on.
 
         Raises:
             ValueError: If `lora_name` was never added and no `lora_path` is given.
         """
-        if lora_name not in self._adapters:
-            if lora_path is None:
-                raise ValueError(
-                    f"no LoRA adapter named {lora_name!r}; add it with add_new_lora(path, name)"
-                )
+        if lora_name not in self.loras and lora_path is not None:
             self.add_new_lora(lora_path, lora_name)
-        self._active_adapter = lora_name
+        self.loras.active = self.loras.check(lora_name)
 
     def clear_lora(self) -> None:
-        """Deactivate LoRA adapters: later queries use the base model."""
-        self._active_adapter = None
+        """Deactivate LoRA adapters: calls with `lora_name=None` use the base model."""
+        self.loras.active = None
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter and drop every result and key/value cached for it.
+
+        Args:
+            lora_name: A registered adapter (if active, the base model becomes active).
+
+        Raises:
+            ValueError: If no adapter is registered under `lora_name`.
+        """
+        with self._model_lock:
+            self.loras.remove(lora_name)
+            self.model.delete_adapter(lora_name)
+            self._forget_adapter(lora_name)
+
+    def _forget_adapter(self, adapter: str) -> None:
+        self.output_cache.remove_if(lambda key: key[0] == adapter)
+        self.kv_cache.drop(adapter)
+        self._workspace.forget()
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        return check_token_ids(token_ids, self._vocab_size, self._max_length)
+        return check_token_ids(token_ids, self.vocab_size, self._max_length)
 
     def _call_model(self, adapter: str | None, **inputs: Any) -> Any:
         if adapter is not None:
             self.model.set_adapter(adapter)
             return self.model(**inputs)
-        if self._adapters:
+        if self.loras.names:
             with self.model.disable_adapter():
                 return self.model(**inputs)
         return self.model(**inputs)
 
     def _evaluate(self, queries: list[Query]) -> list[torch.Tensor]:
-        """The batch evaluator: one result per query, in order."""
+        """The batch evaluator: one result per query, in order (callers own them)."""
+        with self._model_lock:
+            return self._evaluate_locked(queries)
+
+    def _evaluate_locked(self, queries: list[Query]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(queries)
         todo: dict[str | None, list[int]] = {}
         for i, query in enumerate(queries):
@@ -510,8 +554,8 @@ class AsyncTransformer(AsyncLM):
                 self.kv_cache.insert(query.token_ids, past.length, new_kv, adapter)
             if int(past_lengths.min()) == past_length and int(new_lengths.min()) == n_new:
                 self._workspace.remember(adapter, contexts, batch.storage)
-        # Own copies: a cached row must not keep the whole batch's tensor alive.
-        return [row.clone() for row in logprobs.unbind(0)]
+        # Rows of this batch's own tensor: the output cache keeps copies of them.
+        return list(logprobs.unbind(0))
 
 
 class _BatchKV:

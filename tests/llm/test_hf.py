@@ -380,3 +380,163 @@ async def test_smollm2_agrees_with_uncached(smollm2_path):
             particles = [list(particles[i]) for i in (0, 0, 1, 3)]
     paris = lm.tokenizer.encode(" Paris")[0]
     assert int(lm.next_token_logprobs_sync(prompt).argmax()) == paris
+
+
+@pytest.fixture
+def lora_lm(tiny_llama_path, lora_setup):
+    """A fresh model with adapters "a" and "b" registered, none active."""
+    folders, _ = lora_setup
+    lm = AsyncTransformer(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_path),
+        AutoTokenizer.from_pretrained(tiny_llama_path),
+        batch_size=100,
+        timeout=0.05,
+    )
+    lm.add_new_lora(str(folders["a"]), "a")
+    lm.add_new_lora(str(folders["b"]), "b")
+    return lm
+
+
+async def test_adapters_and_base_in_one_window_each_match_their_reference(
+    tiny_llama_path, lora_setup, lora_lm
+):
+    _, merged = lora_setup
+    references = {**merged, None: AutoModelForCausalLM.from_pretrained(tiny_llama_path).eval()}
+    prompt = random_ids(40, 10)
+    lora_lm.cache_kv(prompt, lora_name="a")
+    contexts = [prompt + [5], prompt + [6, 7], random_ids(41, 4)]
+    for active in (None, "b"):  # what lora_name=None means follows set_lora
+        if active is not None:
+            lora_lm.set_lora(lora_name=active)
+        lora_lm.clear_cache() if active is None else None
+        calls = [(c, name) for c in contexts for name in ("a", "b", None)]
+        results = await asyncio.gather(
+            *(lora_lm.next_token_logprobs(c, lora_name=name) for c, name in calls)
+        )
+        for (context, name), result in zip(calls, results, strict=True):
+            reference = references[active if name is None else name]
+            torch.testing.assert_close(
+                result, reference_logprobs(reference, context), rtol=0, atol=TINY_ATOL
+            )
+    assert lora_lm.loras.active == "b"
+    batch = await lora_lm.batch_next_token_logprobs(contexts, lora_name="a")
+    batch_sync = lora_lm.batch_next_token_logprobs_sync(contexts, lora_name=None)
+    for i, context in enumerate(contexts):
+        torch.testing.assert_close(
+            batch[i], reference_logprobs(merged["a"], context), rtol=0, atol=TINY_ATOL
+        )
+        torch.testing.assert_close(
+            batch_sync[i], reference_logprobs(merged["b"], context), rtol=0, atol=TINY_ATOL
+        )
+
+
+async def test_per_call_adapter_reuses_its_own_prefix_only(lora_lm):
+    prompt = random_ids(42, 16)
+    lora_lm.cache_kv(prompt, lora_name="a")
+    counter = RowCounter(lora_lm)
+    try:
+        await lora_lm.next_token_logprobs(prompt + [9], lora_name="a")
+        await lora_lm.next_token_logprobs(prompt + [9], lora_name="b")
+    finally:
+        counter.close()
+    assert counter.shapes == [(1, 1), (1, len(prompt) + 1)]
+
+
+async def test_sampling_with_a_per_call_adapter_equals_activating_it(lora_lm):
+    prompt = random_ids(43, 5)
+    per_call = await lora_lm.sample(prompt, 6, [], seed=3, lora_name="a")
+    batch = await lora_lm.batch_sample([prompt, prompt], 6, [], seed=3, lora_name="a")
+    lora_lm.set_lora(lora_name="a")
+    activated = await lora_lm.sample(prompt, 6, [], seed=3)
+    assert per_call == activated == batch[0] and len(per_call) == 6
+
+
+async def test_replacing_and_removing_adapters(lora_setup, lora_lm):
+    folders, merged = lora_setup
+    context = random_ids(44, 7)
+    old = await lora_lm.next_token_logprobs(context, lora_name="a")
+    torch.testing.assert_close(
+        old, reference_logprobs(merged["a"], context), rtol=0, atol=TINY_ATOL
+    )
+    lora_lm.add_new_lora(str(folders["b"]), "a")  # "a" now holds b's weights
+    new = await lora_lm.next_token_logprobs(context, lora_name="a")
+    torch.testing.assert_close(
+        new, reference_logprobs(merged["b"], context), rtol=0, atol=TINY_ATOL
+    )
+    before = lora_lm.kv_cache.nbytes
+    lora_lm.set_lora(lora_name="a")
+    lora_lm.remove_lora("a")
+    assert lora_lm.loras.names == ["b"] and lora_lm.loras.active is None
+    assert lora_lm.kv_cache.nbytes < before
+    assert all(key[0] != "a" for key in lora_lm.output_cache._entries)
+    with pytest.raises(ValueError, match=r"no LoRA adapter named 'a'; registered adapters: 'b'"):
+        await lora_lm.next_token_logprobs(context, lora_name="a")
+    with pytest.raises(ValueError, match="registered adapters: 'b'"):
+        lora_lm.remove_lora("a")
+    lora_lm.remove_lora("b")
+    with pytest.raises(ValueError, match="registered adapters: none"):
+        lora_lm.next_token_logprobs_sync(context, lora_name="b")
+    assert_exact(lora_lm, context, await lora_lm.next_token_logprobs(context))
+
+
+async def test_results_belong_to_the_caller(lm):
+    context = random_ids(45, 6)
+    reference = lm.next_token_logprobs_uncached(context)
+    first, twin = await asyncio.gather(
+        lm.next_token_logprobs(context), lm.next_token_logprobs(context)
+    )
+    first.fill_(0.0)
+    torch.testing.assert_close(twin, reference, rtol=0, atol=TINY_ATOL)
+    again = await lm.next_token_logprobs(context)  # served by the output cache
+    again.fill_(1.0)
+    sync = lm.next_token_logprobs_sync(context)
+    sync.fill_(2.0)
+    torch.testing.assert_close(
+        await lm.next_token_logprobs(context), reference, rtol=0, atol=TINY_ATOL
+    )
+
+
+async def test_an_empty_batch_is_an_empty_tensor(lm):
+    for rows in (await lm.batch_next_token_logprobs([]), lm.batch_next_token_logprobs_sync([])):
+        assert rows.shape == (0, lm.vocab_size) and rows.dtype == torch.float32
+
+
+def test_two_threads_with_their_own_loops_share_the_model(shared_lm):
+    import threading
+
+    shared_lm.clear_cache()
+    contexts = {t: [random_ids(50 + t * 10 + i, 3 + i) for i in range(4)] for t in (0, 1)}
+    outcomes: dict[int, list] = {}
+    barrier = threading.Barrier(2)
+
+    def worker(t):
+        async def run():
+            barrier.wait()
+            return await asyncio.gather(*(shared_lm.next_token_logprobs(c) for c in contexts[t]))
+
+        outcomes[t] = asyncio.run(run())
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for t in (0, 1):
+        for context, result in zip(contexts[t], outcomes[t], strict=True):
+            assert_exact(shared_lm, context, result)
+
+
+def test_half_precision_log_softmax_is_taken_in_float32(tiny_llama_path):
+    lm = AsyncTransformer.from_name(str(tiny_llama_path), hf_opts={"dtype": torch.bfloat16})
+    reference_model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_path, dtype=torch.bfloat16
+    ).eval()
+    context = random_ids(46, 8)
+    result = lm.next_token_logprobs_sync(context)
+    assert result.dtype == torch.float32
+    # Normalised in float32: a bfloat16 log-softmax would be off by up to ~0.1 nats.
+    assert abs(float(torch.logsumexp(result.double(), dim=0))) < 1e-5
+    with torch.no_grad():
+        logits = reference_model(torch.tensor([context])).logits[0, -1]
+    # Same bfloat16 weights; the batched path may round the logits differently (bf16 eps 2^-8).
+    torch.testing.assert_close(result, torch.log_softmax(logits.float(), dim=-1), rtol=0, atol=0.05)

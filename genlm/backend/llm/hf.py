@@ -410,7 +410,10 @@ class AsyncTransformer(AsyncLM):
         """
         with self._model_lock:
             self.loras.remove(lora_name)
-            self.model.delete_adapter(lora_name)
+            if self.loras.names:
+                self.model.delete_adapter(lora_name)
+            else:  # peft cannot run without an adapter: back to the plain model
+                self.model = self.model.unload().eval()
             self._forget_adapter(lora_name)
 
     def _forget_adapter(self, adapter: str) -> None:

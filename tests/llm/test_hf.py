@@ -538,5 +538,6 @@ def test_half_precision_log_softmax_is_taken_in_float32(tiny_llama_path):
     assert abs(float(torch.logsumexp(result.double(), dim=0))) < 1e-5
     with torch.no_grad():
         logits = reference_model(torch.tensor([context])).logits[0, -1]
-    # Same bfloat16 weights; the batched path may round the logits differently (bf16 eps 2^-8).
-    torch.testing.assert_close(result, torch.log_softmax(logits.float(), dim=-1), rtol=0, atol=0.05)
+    # Same bfloat16 weights: measured identical (0.0); a bfloat16 log-softmax would be off
+    # by 0.054 on this context, so 0.01 tells the two apart.
+    torch.testing.assert_close(result, torch.log_softmax(logits.float(), dim=-1), rtol=0, atol=0.01)

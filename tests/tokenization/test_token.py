@@ -47,7 +47,8 @@ def test_ordering_uses_the_id_between_tokens():
 
 
 def test_repr_shows_id_and_bytes():
-    assert repr(Token(42, b"\xe2\x80 x")) == "Token(42, b'\\xe2\\x80 x')"
+    assert repr(Token(42, b"hello")) == "Token(token_id=42, byte_string=b'hello')"
+    assert repr(Token(7, b"\xe2\x80 x")) == "Token(token_id=7, byte_string=b'\\xe2\\x80 x')"
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))

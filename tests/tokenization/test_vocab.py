@@ -10,6 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from genlm.backend import assets
 from genlm.backend.tokenization import Token, decode_vocab
 from genlm.backend.tokenization.bytes import (
+    ByteDecoderError,
     byte_level_to_bytes,
     byte_to_unicode,
     unicode_to_byte,
@@ -236,14 +237,16 @@ def test_wrong_arguments_raise():
     vocab = {"[UNK]": 0, "hello": 1, "##lo": 2}
     wordpiece = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
     wordpiece.decoder = decoders.WordPiece()
-    with pytest.raises(ValueError, match="WordPiece"):
+    undecodable = r"^Could not decode byte representation of any of the 3 tokens .*WordPiece"
+    with pytest.raises(ByteDecoderError, match=undecodable):
         decode_vocab(_wrap(wordpiece))
     no_decoder = Tokenizer(models.BPE({"a": 0}, []))
-    with pytest.raises(ValueError, match="decoder"):
+    with pytest.raises(ByteDecoderError, match="^Could not decode byte representation.*decoder"):
         decode_vocab(_wrap(no_decoder))
     for not_a_tokenizer in [object(), "gpt2", None]:
-        with pytest.raises(ValueError, match="cannot decode"):
+        with pytest.raises(ByteDecoderError, match="^Could not decode byte representation"):
             decode_vocab(not_a_tokenizer)
+    assert issubclass(ByteDecoderError, ValueError)
     byte_level = Tokenizer(models.BPE({"a": 0}, []))
     byte_level.decoder = decoders.ByteLevel()
     for fallback in ["strict", "latin-1", None, 1]:

@@ -17,6 +17,15 @@ import re
 from bisect import bisect_right
 from itertools import accumulate
 
+
+class ByteDecoderError(ValueError):
+    """The byte strings of a tokenizer's tokens cannot be recovered.
+
+    Raised by `decode_vocab`; the message starts "Could not decode byte
+    representation" and says which tokens and why.
+    """
+
+
 _PRINTABLE_LATIN1 = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
 
 # Marks a character that is not a byte-level character once the table has been applied.

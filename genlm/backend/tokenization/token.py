@@ -46,7 +46,7 @@ class Token(bytes):
         return bytes(self)
 
     def __repr__(self) -> str:
-        return f"Token({self.token_id}, {bytes(self)!r})"
+        return f"Token(token_id={self.token_id}, byte_string={bytes(self)!r})"
 
     def __hash__(self) -> int:
         return hash(("Token", self.token_id))

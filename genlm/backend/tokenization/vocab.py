@@ -11,7 +11,11 @@ from contextlib import contextmanager
 from itertools import accumulate, repeat
 from typing import Any
 
-from genlm.backend.tokenization.bytes import byte_level_to_bytes, byte_pieces_to_bytes
+from genlm.backend.tokenization.bytes import (
+    ByteDecoderError,
+    byte_level_to_bytes,
+    byte_pieces_to_bytes,
+)
 from genlm.backend.tokenization.token import Token
 
 BYTE2STR_FALLBACKS = ("tokenizer", "latin1", "replace")
@@ -48,10 +52,11 @@ def decode_vocab(
         UTF-8 decoding of those bytes (or the fallback above).
 
     Raises:
-        ValueError: If `byte2str_fallback` is not one of the above, or the
-            tokenizer has no `tokenizers` backend or a decoder whose per-token
-            bytes are not defined (e.g. WordPiece, which inserts spaces between
-            tokens).
+        ValueError: If `byte2str_fallback` is not one of the above.
+        ByteDecoderError: (a `ValueError`) If the tokenizer has no `tokenizers`
+            backend or a decoder whose per-token bytes are not defined (e.g.
+            WordPiece, which inserts spaces between tokens); the message starts
+            "Could not decode byte representation".
     """
     if byte2str_fallback not in BYTE2STR_FALLBACKS:
         raise ValueError(
@@ -59,20 +64,30 @@ def decode_vocab(
         )
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
-        raise ValueError(
-            f"cannot decode the vocabulary of {type(tokenizer).__name__}: decode_vocab needs a "
-            "tokenizer backed by the `tokenizers` library (a fast tokenizer)"
+        raise ByteDecoderError(
+            f"Could not decode byte representation of the tokens of {type(tokenizer).__name__}: "
+            "decode_vocab needs a tokenizer backed by the `tokenizers` library (a fast tokenizer)"
         )
     vocab_size = len(tokenizer)
     with _garbage_collection_paused():
         token_strings = _token_strings(backend, vocab_size)
-        token_bytes = _apply_decoder(backend, token_strings)
+        try:
+            token_bytes = _apply_decoder(backend, token_strings)
+        except _UndecodableError as error:
+            raise ByteDecoderError(
+                f"Could not decode byte representation of any of the {vocab_size} tokens of "
+                f"{type(tokenizer).__name__}: {error}"
+            ) from None
         for token_id, added_token in backend.get_added_tokens_decoder().items():
             if token_id < vocab_size:
                 token_bytes[token_id] = added_token.content.encode("utf-8")
         byte_vocab = list(map(Token, range(vocab_size), token_bytes))
         str_vocab = _bytes_to_strings(token_bytes, token_strings, byte2str_fallback)
     return byte_vocab, str_vocab
+
+
+class _UndecodableError(Exception):
+    """Why the decoder's steps give no fixed bytes per token (becomes a `ByteDecoderError`)."""
 
 
 def _token_strings(backend: Any, vocab_size: int) -> list[str]:
@@ -99,9 +114,7 @@ def _garbage_collection_paused() -> Iterator[None]:
 
 def _decoder_steps(backend: Any) -> list[dict]:
     if backend.decoder is None:
-        raise ValueError(
-            "cannot decode a vocabulary without a decoder: the tokenizer joins tokens with spaces"
-        )
+        raise _UndecodableError("it has no decoder, so it joins tokens with spaces")
     return _flatten(json.loads(backend.decoder.__getstate__()))
 
 
@@ -123,10 +136,10 @@ def _apply_decoder(backend: Any, token_strings: list[str]) -> list[bytes]:
     for step in _decoder_steps(backend):
         kind = step["type"]
         if fused and kind not in ("Fuse", "Strip"):
-            raise ValueError(f"cannot decode a vocabulary whose decoder has {kind} after fusing")
+            raise _UndecodableError(f"its decoder has a {kind} step after fusing the tokens")
         if kind == "ByteLevel":
             if has_bytes:
-                raise ValueError("cannot decode a vocabulary whose decoder has two byte steps")
+                raise _UndecodableError("its decoder has two byte steps")
             pieces = byte_level_to_bytes(pieces)
             fused = True
         elif kind == "ByteFallback":
@@ -142,9 +155,8 @@ def _apply_decoder(backend: Any, token_strings: list[str]) -> list[bytes]:
             if not fused:
                 pieces = [_strip(piece, step) for piece in pieces]
         else:
-            raise ValueError(
-                f"cannot decode a vocabulary with a {kind} decoder: its tokens do not stand "
-                "for fixed bytes"
+            raise _UndecodableError(
+                f"its decoder has a {kind} step, so its tokens do not stand for fixed bytes"
             )
     return [piece if isinstance(piece, bytes) else piece.encode("utf-8") for piece in pieces]
 

@@ -3,6 +3,7 @@
 The reference walks `children` from the root and reduces, for every node, over the
 items whose symbols start with the node's path (a leaf: over its own item)."""
 
+import collections
 import math
 import multiprocessing
 import shutil
@@ -398,24 +399,30 @@ def test_parallel_cuda_matches_sequential():
 def test_visualize():
     vocab = [b"a", b"ab", b"b\\", EndOfSequence((EOS_SYMBOL,))]
     trie = TokenCharacterTrie(vocab)
-    graph = trie.visualize(np.array([0.5, 0.25, 0.25, 0.0]))
+    # One weight per node, as weight_sum returns them: here 1000 + the node id.
+    graph = trie.visualize(torch.arange(len(trie.children)) + 1000.0)
     assert isinstance(graph, graphviz.Digraph)
     source = graph.source
     for node in range(len(trie.children)):
-        assert f"\t{node} [" in source
+        assert f"\t{node} [" in source and f"{1000 + node:.3g}" in source
     assert source.count("->") == len(trie.children) - 1
-    assert "label=1 " in source or 'label="1"' in source  # the root's mass
+    masses = trie.weight_sum(np.array([0.5, 0.25, 0.25, 0.0]))
+    assert f"\t{trie.root} [label=1 " in trie.visualize(masses).source  # the root's mass
     assert "0x5C" in source  # the backslash byte is shown escaped
     assert "'<eos>'" in source
     assert isinstance(trie.visualize(), graphviz.Digraph)
-    with pytest.raises(ValueError, match="shape"):
-        trie.visualize(np.ones(2))
+    for wrong in (np.ones(len(vocab)), np.ones(len(trie.children) + 1)):
+        with pytest.raises(
+            ValueError, match=f"one weight per trie node \\({len(trie.children)} nodes"
+        ):
+            trie.visualize(wrong)
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
 def test_visualize_renders(tmp_path):
     trie = TokenCharacterTrie([b"a", b"ab", b"b"])
-    svg = trie.visualize(np.array([0.5, 0.25, 0.25])).pipe(format="svg").decode()
+    masses = trie.weight_sum(np.array([0.5, 0.25, 0.25]))
+    svg = trie.visualize(masses).pipe(format="svg").decode()
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
 
 
@@ -471,3 +478,29 @@ def test_real_vocabulary_matches_brute_force(gpt2_vocab):
             # fsum is correctly rounded; a float64 sum of n <= 50257 terms in [0, 1] is
             # within n * 2**-52 of it.
             assert abs(sums[node] - math.fsum(probs[members])) <= len(members) * 2.0**-52
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "deepseek-coder"])
+def test_tokens_sharing_bytes_each_get_a_leaf(name, tokenizer_path):
+    """Real vocabularies where distinct ids share bytes: every id has its own leaf and mass."""
+    from transformers import AutoTokenizer
+
+    from genlm.backend import decode_vocab
+
+    vocab, _ = decode_vocab(AutoTokenizer.from_pretrained(tokenizer_path(name)))
+    counts = collections.Counter(bytes(token) for token in vocab)
+    shared = [token for token in vocab if counts[bytes(token)] > 1]
+    assert len(shared) >= 16  # the check below would be vacuous otherwise
+    ws = np.random.default_rng(0).random(len(vocab))
+    for trie in (TokenCharacterTrie(vocab), ParallelTokenCharacterTrie(vocab, device="cpu")):
+        assert len(trie.leaf2word) == len(vocab)
+        assert sorted(trie.word2leaf) == sorted((bytes(t), t.token_id) for t in vocab)
+        sums = trie.weight_sum(ws)
+        np.testing.assert_allclose(sums[trie.root], ws.sum(), rtol=1e-12)
+        for token in shared[:16]:  # a shared byte string's node holds all its ids' mass
+            node = trie.root
+            for byte in bytes(token):
+                node = trie.children[node][byte]
+            below = sum(ws[t.token_id] for t in vocab if bytes(t).startswith(bytes(token)))
+            np.testing.assert_allclose(sums[node], below, rtol=1e-12)
+            assert sums[trie.word2leaf[(bytes(token), token.token_id)]] == ws[token.token_id]

@@ -973,18 +973,26 @@ class TokenCharacterTrie:
         """Draw the trie with graphviz.
 
         Args:
-            ws: Optional weights, one per item; each node then shows the sum of
-                the weights below it.
+            ws: Optional weights, one per trie node (indexed by node id), shown
+                at each node: e.g. the output of `weight_sum` or `weight_max`.
+                A list, numpy array or tensor (any device).
 
         Returns:
             A `graphviz.Digraph` (render it with `.render()` or display it in a notebook).
 
         Raises:
-            ValueError: If `ws` does not hold one weight per item.
+            ValueError: If `ws` does not hold one weight per trie node.
         """
         import graphviz
 
-        masses = None if ws is None else self.weight_sum(ws)
+        masses = None
+        if ws is not None:
+            masses = np.asarray(_as_numpy(ws), dtype=np.float64).reshape(-1)
+            if masses.shape[0] != len(self.children):
+                raise ValueError(
+                    f"visualize needs one weight per trie node ({len(self.children)} nodes, "
+                    f"e.g. the output of weight_sum), got {masses.shape[0]}"
+                )
         graph = graphviz.Digraph(graph_attr={"rankdir": "LR"}, node_attr={"fontsize": "10"})
         for node, edges in enumerate(self.children):
             is_leaf = node in self.leaf2word

@@ -504,3 +504,37 @@ def test_tokens_sharing_bytes_each_get_a_leaf(name, tokenizer_path):
             below = sum(ws[t.token_id] for t in vocab if bytes(t).startswith(bytes(token)))
             np.testing.assert_allclose(sums[node], below, rtol=1e-12)
             assert sums[trie.word2leaf[(bytes(token), token.token_id)]] == ws[token.token_id]
+
+
+@pytest.mark.parametrize(
+    "make", [TokenCharacterTrie, lambda d: ParallelTokenCharacterTrie(d, "cpu")]
+)
+def test_results_belong_to_the_caller(make):
+    vocab = [b"a", b"ab", b"b", b"ba", b"bb"]
+    trie = make(vocab)
+    ws = np.array([0.1, 0.2, 0.3, 0.25, 0.15])
+    expected = _brute_force_sums(vocab, ws, trie)
+    kept = trie.weight_sum(ws)
+    kept_batch = trie.batch_weight_sum([ws, ws])
+    kept.fill(-1.0)  # the caller changes what it got
+    kept_batch[1].fill(-2.0)
+    for _ in range(3):  # later calls neither reuse kept results nor see the changes
+        again, batch = trie.weight_sum(ws), trie.batch_weight_sum([ws, ws])
+        assert not np.shares_memory(again, kept) and not np.shares_memory(batch, kept_batch)
+        np.testing.assert_allclose(again, expected, rtol=1e-12)
+        np.testing.assert_allclose(batch, np.stack([expected, expected]), rtol=1e-12)
+    assert (kept == -1.0).all() and (kept_batch[1] == -2.0).all()
+
+
+def _brute_force_sums(vocab, ws, trie):
+    """Per node: the sum of the weights of the items whose bytes start with its prefix."""
+    sums = np.zeros(len(trie.children))
+    for node in range(len(trie.children)):
+        prefix = trie.node2prefix[node]
+        if node in trie.leaf2word:
+            sums[node] = ws[vocab.index(trie.leaf2word[node])]
+        else:
+            sums[node] = sum(
+                w for item, w in zip(vocab, ws, strict=True) if item.startswith(bytes(prefix))
+            )
+    return sums

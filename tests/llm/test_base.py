@@ -93,9 +93,44 @@ def test_clear_cache_is_harmless_and_lora_is_not_supported(mock):
         lambda: mock.add_new_lora("path", "name"),
         lambda: mock.set_lora("path", "name"),
         mock.clear_lora,
+        lambda: mock.remove_lora("name"),
     ):
         with pytest.raises(NotImplementedError):
             call()
+
+
+async def test_any_adapter_name_is_unknown_to_the_mock(mock):
+    expected = mock.next_token_logprobs_sync(CONTEXTS[1])
+    assert torch.equal(await mock.next_token_logprobs(CONTEXTS[1], lora_name=None), expected)
+    unknown = "no LoRA adapter named 'mine'; registered adapters: none"
+    for call in (
+        lambda: mock.next_token_logprobs_sync(CONTEXTS[1], lora_name="mine"),
+        lambda: mock.batch_next_token_logprobs_sync(CONTEXTS, lora_name="mine"),
+        lambda: mock.batch_next_token_logprobs_sync([], lora_name="mine"),
+    ):
+        with pytest.raises(ValueError, match=unknown):
+            call()
+    for coroutine in (
+        mock.next_token_logprobs(CONTEXTS[1], lora_name="mine"),
+        mock.batch_next_token_logprobs(CONTEXTS, lora_name="mine"),
+        mock.sample([1], 3, [], lora_name="mine"),
+        mock.batch_sample([[1], [2]], 3, [], lora_name="mine"),
+    ):
+        with pytest.raises(ValueError, match=unknown):
+            await coroutine
+
+
+async def test_an_empty_batch_is_an_empty_tensor(mock):
+    for rows in (await mock.batch_next_token_logprobs([]), mock.batch_next_token_logprobs_sync([])):
+        assert rows.shape == (0, 50257) and rows.dtype == torch.float32
+
+
+async def test_results_belong_to_the_caller(mock):
+    first = await mock.next_token_logprobs(CONTEXTS[2])
+    expected = first.clone()
+    first.fill_(0.0)
+    assert torch.equal(await mock.next_token_logprobs(CONTEXTS[2]), expected)
+    assert torch.equal(mock.batch_next_token_logprobs_sync(CONTEXTS[2:3])[0], expected)
 
 
 # -- sampling -----------------------------------------------------------------------

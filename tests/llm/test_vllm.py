@@ -46,6 +46,7 @@ ENGINE_OPTS = {
     "max_num_batched_tokens": 32,
     "enable_lora": True,
     "max_lora_rank": 8,
+    "max_loras": 2,  # two adapters in one batch
 }
 
 PROMPTS = [
@@ -257,6 +258,98 @@ def test_lora_changes_outputs_until_cleared(vllm_lm, smollm2_path, tmp_path):
     assert_matches(with_lora, expected)
     lm.clear_lora()
     assert torch.equal(lm.next_token_logprobs_sync(prompt), plain)
+
+
+@pytest.fixture(scope="module")
+def adapters(smollm2_path, tmp_path_factory):
+    """Two saved PEFT adapters of SmolLM2 and, per name, merged-model reference logprobs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folders, references = {}, {}
+    for name, seed in (("first", 0), ("second", 1)):
+        torch.manual_seed(seed)
+        base = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+        config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        adapted = get_peft_model(base, config)
+        folders[name] = tmp_path_factory.mktemp(f"adapter_{name}")
+        adapted.save_pretrained(folders[name])
+        merged = adapted.merge_and_unload().eval()
+        with torch.no_grad():
+            references[name] = {
+                tuple(p): torch.log_softmax(merged(torch.tensor([p])).logits[0, -1], -1)
+                for p in PROMPTS[:2]
+            }
+        del merged, adapted, base
+        gc.collect()
+    return folders, references
+
+
+async def test_adapters_and_base_in_one_window_match_merged_references(
+    vllm_lm, reference, adapters, generate_calls
+):
+    folders, references = adapters
+    lm = AsyncVirtualLM(
+        vllm_lm.llm_engine, vllm_lm.logprobs_capture, cache_size=20, batch_size=100, timeout=0.05
+    )
+    lm.add_new_lora(str(folders["first"]), "first")
+    lm.add_new_lora(str(folders["second"]), "second")
+    for active in (None, "second"):  # lora_name=None follows set_lora
+        if active is not None:
+            lm.set_lora(str(folders[active]), active)
+        lm.clear_cache()
+        calls = [(p, name) for p in PROMPTS[:2] for name in ("first", "second", None)]
+        calls_before = len(generate_calls)
+        results = await asyncio.gather(*(lm.next_token_logprobs(p, lora_name=n) for p, n in calls))
+        # One window: one generate for the adapters, one for the base model (see `_generate`).
+        assert len(generate_calls) == calls_before + (2 if active is None else 1)
+        for (prompt, name), result in zip(calls, results, strict=True):
+            name = active if name is None else name
+            expected = reference(prompt) if name is None else references[name][tuple(prompt)]
+            assert_matches(result, expected)
+    rows = lm.batch_next_token_logprobs_sync(PROMPTS[:2], lora_name="first")
+    for prompt, row in zip(PROMPTS[:2], rows, strict=True):
+        assert_matches(row, references["first"][tuple(prompt)])
+    first = await lm.sample(PROMPTS[0], 4, [], seed=5, lora_name="first")
+    lm.set_lora(str(folders["first"]), "first")
+    assert first == await lm.sample(PROMPTS[0], 4, [], seed=5)
+
+
+def test_replacing_and_removing_an_adapter(vllm_lm, reference, adapters):
+    folders, references = adapters
+    lm = AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture, cache_size=20)
+    prompt = PROMPTS[0]
+    lm.add_new_lora(str(folders["first"]), "swap")
+    assert_matches(
+        lm.next_token_logprobs_sync(prompt, lora_name="swap"), references["first"][tuple(prompt)]
+    )
+    lm.add_new_lora(str(folders["second"]), "swap")  # the engine must drop the loaded weights
+    assert_matches(
+        lm.next_token_logprobs_sync(prompt, lora_name="swap"), references["second"][tuple(prompt)]
+    )
+    lm.set_lora(str(folders["second"]), "swap")
+    lm.remove_lora("swap")
+    assert lm.loras.names == [] and lm.loras.active is None and len(lm.cache) == 0
+    with pytest.raises(ValueError, match="no LoRA adapter named 'swap'; registered adapters: none"):
+        lm.next_token_logprobs_sync(prompt, lora_name="swap")
+    with pytest.raises(ValueError, match="registered adapters: none"):
+        lm.remove_lora("swap")
+    assert_matches(lm.next_token_logprobs_sync(prompt), reference(prompt))
+
+
+async def test_results_belong_to_the_caller_and_empty_batches(make_lm, reference):
+    lm = make_lm(cache_size=10, batch_size=100, timeout=0.02)
+    prompt = PROMPTS[1]
+    first, twin = await asyncio.gather(
+        lm.next_token_logprobs(prompt), lm.next_token_logprobs(prompt)
+    )
+    first.fill_(0.0)
+    assert_matches(twin, reference(prompt))
+    (await lm.next_token_logprobs(prompt)).fill_(1.0)  # a cache hit, changed by its caller
+    lm.next_token_logprobs_sync(prompt).fill_(2.0)
+    assert_matches(await lm.next_token_logprobs(prompt), reference(prompt))
+    for rows in (await lm.batch_next_token_logprobs([]), lm.batch_next_token_logprobs_sync([])):
+        assert rows.shape == (0, lm.vocab_size) and rows.dtype == torch.float32
 
 
 def test_hash_to_int_is_deterministic_and_in_range():

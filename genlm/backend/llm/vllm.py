@@ -252,7 +252,13 @@ class AsyncVirtualLM(AsyncLM):
                 `tensor_parallel_size`); they override the defaults
                 `enable_prefix_caching=True`, `worker_extension_cls` (see
                 `LogprobsWorkerExtension`) and, on vLLM's CPU build,
-                `block_size=32` (prefix caching reuses whole blocks).
+                `block_size=32` (prefix caching reuses whole blocks) and
+                `kv_cache_memory_bytes`: a quarter of the memory available
+                now, at most 2 GiB, unless `VLLM_CPU_KVCACHE_SPACE` is set
+                or `engine_opts` size the memory themselves
+                (`kv_cache_memory_bytes` or `gpu_memory_utilization`).
+                Without it, the CPU build asks for 92% of its memory node
+                and refuses to start when less is free.
             **kwargs: Passed to the constructor (`cache_size`, `batch_size`, ...).
 
         Returns:
@@ -267,9 +273,16 @@ class AsyncVirtualLM(AsyncLM):
         from vllm.platforms import current_platform
 
         options = {"enable_prefix_caching": True, "worker_extension_cls": _EXTENSION}
+        engine_opts = engine_opts or {}
         if current_platform.is_cpu():
             options["block_size"] = 32
-        options.update(engine_opts or {})
+            sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & engine_opts.keys()
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not sized:
+                import psutil
+
+                available = psutil.virtual_memory().available
+                options["kv_cache_memory_bytes"] = min(2 << 30, available // 4)
+        options.update(engine_opts)
         llm = vllm.LLM(model=model_name, **options)
         return cls(llm, GlobalLogprobsCapture(), **kwargs)
 

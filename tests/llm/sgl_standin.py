@@ -8,24 +8,44 @@ documented call sequence and contracts rather than its internals:
   needs `set_global_server_args_for_scheduler(server_args)` first, as later 0.5.x
   releases do;
 - `process_input_requests([TokenizedGenerateReqInput | AbortReq, ...])` queues
-  requests in `waiting_queue` (prefix-cache hits recorded as `cached_tokens`);
+  requests in `waiting_queue` (prefix-cache hits recorded as `cached_tokens`).
+  A request SGLang rejects (prompt too long; a `lora_id` that names no loaded
+  adapter) is finished with an abort on arrival and, as in SGLang, still runs
+  through one batch as a one-token prompt so that its abort is reported;
 - `get_next_batch_to_run()` first retires `last_batch` (as SGLang merges it into
   the running batch), then forms a prefill batch of at most
-  `max_running_requests` requests, splitting prompts longer than
-  `chunked_prefill_size` over several steps; `None` when idle;
+  `max_running_requests` requests and `max_loras_per_batch` distinct adapters
+  (the base model counts as one; requests over the limit wait for a later
+  batch), splitting prompts longer than `chunked_prefill_size` over several
+  steps; `None` when idle;
 - `run_batch(batch)` returns `result.logits_output.next_token_logits`, one row
-  per request of `batch.reqs`, computed by a real transformers model (rows of a
-  partly prefilled prompt hold the logits at the end of its chunk);
+  per request of `batch.reqs`, computed by a real transformers model in one
+  forward pass, each row under its request's adapter (peft's mixed-adapter
+  batches; rows of a partly prefilled prompt hold the logits at the end of
+  their chunk);
 - `process_batch_result(batch, result)` appends the greedy token, finishes
-  requests at `max_new_tokens`, inserts their prompts into the prefix cache,
-  and sends outputs through `send_to_detokenizer`;
+  requests at `max_new_tokens`, inserts their prompts into the prefix cache
+  under their `lora_id` (SGLang's radix keys include it, so adapters never
+  share cached prefixes), and sends outputs through `send_to_detokenizer`;
 - `flush_cache()` empties the prefix cache, refusing (`False`) while requests
-  are waiting or running.
+  are waiting or running;
+- with `enable_lora=True` (which needs `max_lora_rank` and
+  `lora_target_modules`, as when SGLang starts without `lora_paths`),
+  `load_lora_adapter(LoadLoRAAdapterReqInput)` loads a PEFT adapter folder
+  under the request's `lora_id` and `unload_lora_adapter(UnloadLoRAAdapterReqInput)`
+  removes one; both return `LoRAUpdateOutput(success, error_message)` (a bad
+  path, a rank above `max_lora_rank`, a module outside `lora_target_modules`,
+  a name already loaded or an unknown adapter give `success=False`) and then
+  flush the prefix cache, asserting that it could (it must be idle).
 
 It also checks what SGLang's event loop guarantees and a driver must keep:
 gradients off during a step, `last_batch` set after each batch and never
 retired twice, `cur_batch` pointing at the running batch. It only serves
 one-token greedy requests, the only kind the backend sends.
+
+Unlike SGLang's scheduler, which trusts its TokenizerManager to send only
+loaded adapters' ids, the stand-in checks `lora_id` itself, so a driver that
+sends a stale id sees an abort instead of wrong numbers.
 """
 
 from __future__ import annotations
@@ -68,6 +88,7 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: list[int] | None
     stream: bool
     rid: str | None = dataclasses.field(default=None, kw_only=True)
+    lora_id: str | None = dataclasses.field(default=None, kw_only=True)
 
 
 @dataclasses.dataclass
@@ -77,12 +98,37 @@ class AbortReq:
 
 
 @dataclasses.dataclass
+class LoadLoRAAdapterReqInput:
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+@dataclasses.dataclass
+class UnloadLoRAAdapterReqInput:
+    lora_name: str
+    lora_id: str | None = None
+
+
+@dataclasses.dataclass
+class LoRAUpdateOutput:
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] | None = None
+
+
+@dataclasses.dataclass
 class ServerArgs:
     model_path: str
     disable_overlap_schedule: bool = False
     skip_tokenizer_init: bool = False
     max_running_requests: int = 8
     chunked_prefill_size: int = 64
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | str | None = None
+    max_loras_per_batch: int = 8
 
 
 _global_server_args: list[ServerArgs] = []
@@ -118,10 +164,17 @@ class FinishAbort:
 
 
 class Req:
-    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams):
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        lora_id: str | None = None,
+    ):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
+        self.lora_id = lora_id
         self.output_ids: list[int] = []
         self.prefilled = 0
         self.cached_tokens = 0
@@ -129,6 +182,12 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def set_finish_with_abort(self, message: str) -> None:
+        # As SGLang does: one token left to prefill, so the abort is reported quickly.
+        self.origin_input_ids = [0]
+        self.lora_id = None
+        self.finished_reason = FinishAbort(message)
 
 
 @dataclasses.dataclass
@@ -181,6 +240,11 @@ class Scheduler:
         self.server_args = server_args
         self.gpu_id = gpu_id
         self.enable_overlap = not server_args.disable_overlap_schedule
+        self.enable_lora = server_args.enable_lora
+        if self.enable_lora and (
+            server_args.max_lora_rank is None or server_args.lora_target_modules is None
+        ):
+            raise ValueError("enable_lora needs max_lora_rank and lora_target_modules")
         self.model = AutoModelForCausalLM.from_pretrained(server_args.model_path)
         self.model.eval()
         self.tokenizer = (
@@ -198,13 +262,15 @@ class Scheduler:
         self.last_batch: ScheduleBatch | None = None
         self._retired: ScheduleBatch | None = None
         self._chunk_retired = False
-        self.prefix_tree: set[tuple[int, ...]] = set()
+        self.prefix_tree: set[tuple[str | None, tuple[int, ...]]] = set()
+        self.loaded_loras: dict[str, str] = {}  # lora_id -> lora_name
         self.send_to_detokenizer = RecordingSocket()
         self.send_to_tokenizer = RecordingSocket()
         # Observations for tests.
         self.forward_ct = 0
         self.received: list[tuple[int, ...]] = []
         self.submission_sizes: list[int] = []
+        self.batch_adapters: list[list[str | None]] = []  # each batch's requests' lora_id
         self.finished_reqs: list[Req] = []
         self.fail_next_run: Exception | None = None
 
@@ -227,17 +293,20 @@ class Scheduler:
             raise NotImplementedError("the stand-in serves one-token greedy requests only")
         if not isinstance(recv.rid, str):
             raise ValueError("a request needs a string rid")
-        req = Req(recv.rid, recv.input_ids, params)
+        req = Req(recv.rid, recv.input_ids, params, recv.lora_id)
         self.received.append(tuple(req.origin_input_ids))
         if len(req.origin_input_ids) >= self.max_req_input_len:
-            req.finished_reason = FinishAbort("input is longer than the context")
+            req.set_finish_with_abort("input is longer than the context")
+        elif req.lora_id is not None and req.lora_id not in self.loaded_loras:
+            req.set_finish_with_abort(f"LoRA adapter {req.lora_id!r} is not loaded")
         else:
-            req.cached_tokens = self._match_prefix(req.origin_input_ids)
+            req.cached_tokens = self._match_prefix(req)
         self.waiting_queue.append(req)
 
-    def _match_prefix(self, ids: list[int]) -> int:
+    def _match_prefix(self, req: Req) -> int:
+        ids, tree = req.origin_input_ids, self.prefix_tree
         return max(
-            (k for k in range(1, len(ids) + 1) if tuple(ids[:k]) in self.prefix_tree), default=0
+            (k for k in range(1, len(ids) + 1) if (req.lora_id, tuple(ids[:k])) in tree), default=0
         )
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -269,10 +338,9 @@ class Scheduler:
         for req in list(self.waiting_queue):
             if len(reqs) >= self.server_args.max_running_requests:
                 break
-            if req.finished():  # aborted on arrival: reported without running
-                self.waiting_queue.remove(req)
-                self.finished_reqs.append(req)
-                continue
+            adapters = {r.lora_id for r in reqs} | {req.lora_id}
+            if len(adapters) > self.server_args.max_loras_per_batch:
+                continue  # waits for a batch with room for its adapter
             too_long = len(req.origin_input_ids) > budget
             if too_long and self.chunked_req is not None:
                 break
@@ -293,13 +361,17 @@ class Scheduler:
             error, self.fail_next_run = self.fail_next_run, None
             raise error
         self.forward_ct += 1
+        self.batch_adapters.append([req.lora_id for req in batch.reqs])
         longest = max(batch.chunk_ends)
         input_ids = torch.zeros((len(batch.reqs), longest), dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for row, (req, end) in enumerate(zip(batch.reqs, batch.chunk_ends, strict=True)):
             input_ids[row, :end] = torch.tensor(req.origin_input_ids[:end])
             attention_mask[row, :end] = 1
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.loaded_loras:
+            inputs["adapter_names"] = [req.lora_id or "__base__" for req in batch.reqs]
+        logits = self.model(**inputs).logits
         last = torch.tensor(batch.chunk_ends) - 1
         next_token_logits = logits[torch.arange(len(batch.reqs)), last]
         return GenerationBatchResult(
@@ -316,12 +388,14 @@ class Scheduler:
                 continue
             if self.chunked_req is req:
                 self.chunked_req = None
+            self.finished_reqs.append(req)
+            done.append(req.rid)
+            if req.finished():  # aborted on arrival
+                continue
             req.output_ids.append(token)
             req.finished_reason = FinishLength(len(req.output_ids))
             ids = req.origin_input_ids
-            self.prefix_tree.update(tuple(ids[:k]) for k in range(1, len(ids) + 1))
-            self.finished_reqs.append(req)
-            done.append(req.rid)
+            self.prefix_tree.update((req.lora_id, tuple(ids[:k])) for k in range(1, len(ids) + 1))
         self.send_to_detokenizer.send_pyobj({"finished_rids": done})
 
     def flush_cache(self) -> bool:
@@ -329,6 +403,64 @@ class Scheduler:
             return False
         self.prefix_tree.clear()
         return True
+
+    # -- LoRA adapters ----------------------------------------------------------
+    def load_lora_adapter(self, recv: LoadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        try:
+            self._load_adapter(recv)
+        except (ValueError, OSError) as exc:
+            return LoRAUpdateOutput(success=False, error_message=str(exc))
+        return self._after_lora_update()
+
+    def unload_lora_adapter(self, recv: UnloadLoRAAdapterReqInput) -> LoRAUpdateOutput:
+        if self.loaded_loras.get(recv.lora_id) != recv.lora_name:
+            return LoRAUpdateOutput(
+                success=False,
+                error_message=f"LoRA adapter {recv.lora_name!r} ({recv.lora_id}) is not loaded",
+            )
+        del self.loaded_loras[recv.lora_id]
+        if self.loaded_loras:
+            self.model.set_adapter(next(iter(self.loaded_loras)))  # peft warns if the active goes
+            self.model.delete_adapter(recv.lora_id)
+        else:  # peft cannot run without an adapter: back to the plain model
+            self.model = self.model.unload().eval()
+        return self._after_lora_update()
+
+    def _load_adapter(self, recv: LoadLoRAAdapterReqInput) -> None:
+        from peft import LoraConfig, PeftModel
+
+        args = self.server_args
+        if not self.enable_lora:
+            raise ValueError("LoRA is not enabled: start the server with enable_lora")
+        if not isinstance(recv.lora_id, str):
+            raise ValueError("a LoRA adapter needs a string lora_id")
+        if recv.lora_name in self.loaded_loras.values() or recv.lora_id in self.loaded_loras:
+            raise ValueError(f"LoRA adapter {recv.lora_name!r} is already loaded")
+        config = LoraConfig.from_pretrained(recv.lora_path)
+        if config.r > args.max_lora_rank:
+            raise ValueError(f"LoRA rank {config.r} exceeds max_lora_rank {args.max_lora_rank}")
+        modules = set(config.target_modules or ())
+        if args.lora_target_modules != "all" and not modules <= set(args.lora_target_modules):
+            raise ValueError(
+                f"LoRA target modules {sorted(modules)} are not all in lora_target_modules"
+            )
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(recv.lora_path, adapter_name=recv.lora_id)
+        else:
+            self.model = PeftModel.from_pretrained(
+                self.model, recv.lora_path, adapter_name=recv.lora_id
+            )
+        self.model.eval()
+        self.loaded_loras[recv.lora_id] = recv.lora_name
+
+    def _after_lora_update(self) -> LoRAUpdateOutput:
+        # SGLang flushes the prefix cache after every adapter update and asserts it could.
+        if not self.flush_cache():
+            raise AssertionError("cache flush failed after a LoRA update: the scheduler was busy")
+        return LoRAUpdateOutput(
+            success=True,
+            loaded_adapters={name: lora_id for lora_id, name in self.loaded_loras.items()},
+        )
 
     def is_idle(self) -> bool:
         return not self.waiting_queue and self.chunked_req is None and self.cur_batch is None
@@ -343,6 +475,9 @@ def install(monkeypatch: Any) -> None:
         "sglang.srt.managers.io_struct": {
             "TokenizedGenerateReqInput": TokenizedGenerateReqInput,
             "AbortReq": AbortReq,
+            "LoadLoRAAdapterReqInput": LoadLoRAAdapterReqInput,
+            "UnloadLoRAAdapterReqInput": UnloadLoRAAdapterReqInput,
+            "LoRAUpdateOutput": LoRAUpdateOutput,
         },
         "sglang.srt.managers.scheduler": {"Scheduler": Scheduler},
         "sglang.srt.sampling": {},

@@ -1,10 +1,11 @@
 """Tests of the SGLang backend.
 
 CPU tests drive `AsyncSGLTransformer` against `sgl_standin`, an in-process
-stand-in for SGLang's scheduler that computes real logits with a tiny GPT-2;
-results are checked against a plain transformers forward pass of the same
-weights. GPU tests run the real engine and are skipped unless CUDA and SGLang
-are present (`pytest -rs` prints why).
+stand-in for SGLang's scheduler that computes real logits with a tiny GPT-2
+(a tiny Llama with real PEFT adapters for LoRA); results are checked against a
+plain transformers forward pass of the same weights (for an adapter: the
+adapter merged into a fresh model). GPU tests run the real engine and are
+skipped unless CUDA and SGLang are present (`pytest -rs` prints why).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def make_lm(scheduler, monkeypatch):
     scheduler.received.clear()
     scheduler.submission_sizes.clear()
     scheduler.finished_reqs.clear()
+    scheduler.batch_adapters.clear()
+    scheduler.forward_ct = 0
     sgl_standin.install(monkeypatch)
 
     def make(**kwargs):
@@ -379,6 +382,307 @@ def test_successive_event_loops(lm, reference):
     a, b = contexts(2)
     assert_matches(asyncio.run(lm.next_token_logprobs(a))[None], [a], reference)
     assert_matches(asyncio.run(lm.next_token_logprobs(b))[None], [b], reference)
+
+
+# -- LoRA adapters ------------------------------------------------------------------
+
+LORA_OPTS = {
+    **ENGINE_OPTS,
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "lora_target_modules": ["q_proj", "v_proj"],
+    "max_loras_per_batch": 2,  # below the three models queried at once: batches must split
+}
+LLAMA_VOCAB = 49152
+
+# The stand-in applies each adapter unmerged (x W + s x A B, peft's mixed-adapter forward over
+# a right-padded batch); the reference merges it (x (W + s A B)) and runs one unpadded prompt.
+# Both are float32; only summation order differs. Measured: at most 1.9e-6 (9.5e-7 for base
+# rows) over the 39 rows these tests compare; 1e-5 keeps a 5x margin and is far below the
+# adapters' effect (> 1e-2, checked).
+LORA_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_llama_path, tmp_path_factory):
+    """Two saved rank-8 adapters and, for each, the merged model as an independent reference."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    folders, references = {}, {}
+    for name, seed in (("a", 0), ("b", 1)):
+        torch.manual_seed(seed)
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+        config = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        folders[name] = tmp_path_factory.mktemp(f"lora_{name}")
+        get_peft_model(base, config).save_pretrained(folders[name])
+        fresh = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+        references[name] = PeftModel.from_pretrained(fresh, folders[name]).merge_and_unload()
+    references[None] = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+
+    @torch.no_grad()
+    def logprobs(name, token_ids):
+        logits = references[name].eval()(torch.tensor([list(token_ids)])).logits[0, -1]
+        return torch.log_softmax(logits, dim=-1)
+
+    return folders, logprobs
+
+
+@pytest.fixture(scope="module")
+def lora_scheduler(tiny_llama_path):
+    with pytest.MonkeyPatch.context() as patch:
+        sgl_standin.install(patch)
+        lm = AsyncSGLTransformer.from_name(str(tiny_llama_path), engine_opts=LORA_OPTS)
+    return lm.sgl_model
+
+
+@pytest.fixture
+def make_lora_lm(lora_scheduler, lora_setup, monkeypatch):
+    """Backends over the shared LoRA scheduler with adapters "a" and "b" registered, none active.
+
+    Every adapter a test leaves registered is removed again, so the scheduler starts each
+    test holding none.
+    """
+    folders, _ = lora_setup
+    assert lora_scheduler.is_idle() and lora_scheduler.loaded_loras == {}
+    lora_scheduler.received.clear()
+    lora_scheduler.submission_sizes.clear()
+    lora_scheduler.finished_reqs.clear()
+    lora_scheduler.batch_adapters.clear()
+    lora_scheduler.forward_ct = 0
+    sgl_standin.install(monkeypatch)
+    made = []
+
+    def make(**kwargs):
+        lm = AsyncSGLTransformer(lora_scheduler, **kwargs)
+        lm.add_new_lora(str(folders["a"]), "a")
+        lm.add_new_lora(str(folders["b"]), "b")
+        made.append(lm)
+        return lm
+
+    yield make
+    for lm in made:
+        for name in lm.loras.names:
+            lm.remove_lora(name)
+    assert lora_scheduler.is_idle(), "a call left work in the scheduler"
+    assert lora_scheduler.loaded_loras == {}
+
+
+@pytest.fixture
+def lora_lm(make_lora_lm):
+    return make_lora_lm()
+
+
+def llama_contexts():
+    generator = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, LLAMA_VOCAB, (10,), generator=generator).tolist()
+    return [prompt + [5], prompt + [6, 7], LONG]  # LONG is prefilled in chunks
+
+
+def assert_lora_matches(row, name, token_ids, reference):
+    torch.testing.assert_close(row, reference(name, token_ids), atol=LORA_ATOL, rtol=0)
+
+
+async def test_adapters_and_base_in_one_window_each_match_their_reference(make_lora_lm, lora_setup):
+    _, reference = lora_setup
+    lm = make_lora_lm(cache_size=64)
+    scheduler = lm.sgl_model
+    contexts = llama_contexts()
+    for context in contexts:  # the adapters do change the numbers
+        for name in ("a", "b"):
+            assert (reference(name, context) - reference(None, context)).abs().max() > 1e-2
+    for active in (None, "b"):  # what lora_name=None means follows set_lora
+        if active is not None:
+            lm.set_lora(lora_name=active)
+        calls = [(c, name) for c in contexts for name in ("a", "b", None)]
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c, lora_name=n) for c, n in calls))
+        for (context, name), row in zip(calls, rows, strict=True):
+            assert_lora_matches(row, active if name is None else name, context, reference)
+    # The first window went to the scheduler as one submission; the second was all cached
+    # (its lora_name=None calls asked for "b", already computed under that name).
+    assert scheduler.submission_sizes == [9]
+    assert all(len(set(ids)) <= 2 for ids in scheduler.batch_adapters)
+    assert any(len(set(ids)) == 2 for ids in scheduler.batch_adapters)  # mixed batches
+    assert lm.loras.active == "b"
+    batch = await lm.batch_next_token_logprobs(contexts, lora_name="a")
+    batch_sync = lm.batch_next_token_logprobs_sync(contexts, lora_name=None)
+    for context, row_a, row_b in zip(contexts, batch, batch_sync, strict=True):
+        assert_lora_matches(row_a, "a", context, reference)
+        assert_lora_matches(row_b, "b", context, reference)
+    lm.clear_lora()
+    assert_lora_matches(lm.next_token_logprobs_sync(contexts[0]), None, contexts[0], reference)
+
+
+async def test_sample_with_an_adapter_draws_from_that_adapter(lora_lm, lora_setup):
+    _, reference = lora_setup
+    prompt = llama_contexts()[0]
+    generator, context, expected = torch.Generator().manual_seed(3), list(prompt), []
+    for _ in range(3):
+        probs = torch.softmax(reference("a", context).double(), dim=-1)
+        expected.append(int(torch.multinomial(probs, 1, generator=generator)))
+        context.append(expected[-1])
+    assert await lora_lm.sample(prompt, 3, [], seed=3, lora_name="a") == expected
+    assert (await lora_lm.batch_sample([prompt], 3, [], seed=3, lora_name="a")) == [expected]
+
+
+def test_prefix_cache_is_kept_per_adapter(lora_lm, lora_setup):
+    _, reference = lora_setup
+    scheduler = lora_lm.sgl_model
+    prompt = llama_contexts()[0]
+    lora_lm.next_token_logprobs_sync(prompt, lora_name="a")
+    for name, cached in ((None, 0), ("b", 0), ("a", len(prompt))):
+        row = lora_lm.next_token_logprobs_sync(prompt + [9], lora_name=name)
+        assert scheduler.finished_reqs[-1].cached_tokens == cached
+        assert_lora_matches(row, name, prompt + [9], reference)
+
+
+async def test_replacing_an_adapter_under_its_name(make_lora_lm, lora_setup):
+    folders, reference = lora_setup
+    lora_lm = make_lora_lm(cache_size=16)
+    scheduler = lora_lm.sgl_model
+    context = llama_contexts()[0]
+    lora_lm.set_lora(lora_name="a")
+    assert_lora_matches(await lora_lm.next_token_logprobs(context), "a", context, reference)
+    assert len(lora_lm.cache) == 1
+    lora_lm.add_new_lora(str(folders["b"]), "a")  # "a" now holds b's weights
+    assert len(lora_lm.cache) == 0  # the old adapter's results are gone
+    assert lora_lm.loras.names == ["b", "a"] and lora_lm.loras.active == "a"
+    assert sorted(scheduler.loaded_loras.values()) == ["a", "b"]  # the old "a" is unloaded
+    assert_lora_matches(await lora_lm.next_token_logprobs(context), "b", context, reference)
+    assert_lora_matches(lora_lm.next_token_logprobs_sync(context, "a"), "b", context, reference)
+
+
+def test_a_failed_load_registers_nothing(lora_lm, lora_setup, tmp_path):
+    _, reference = lora_setup
+    with pytest.raises(RuntimeError, match="could not load LoRA adapter 'c'.*adapter_config"):
+        lora_lm.add_new_lora(str(tmp_path / "missing"), "c")
+    assert lora_lm.loras.names == ["a", "b"]
+    # A failed replacement leaves the name unregistered rather than naming stale weights.
+    with pytest.raises(RuntimeError, match="could not load LoRA adapter 'a'"):
+        lora_lm.add_new_lora(str(tmp_path / "missing"), "a")
+    assert lora_lm.loras.names == ["b"]
+    assert list(lora_lm.sgl_model.loaded_loras.values()) == ["b"]
+    context = llama_contexts()[0]
+    assert_lora_matches(lora_lm.next_token_logprobs_sync(context, "b"), "b", context, reference)
+
+
+def test_remove_lora_unloads_and_forgets_the_adapter(make_lora_lm, lora_setup):
+    folders, reference = lora_setup
+    lm = make_lora_lm(cache_size=16)
+    scheduler = lm.sgl_model
+    contexts = llama_contexts()[:2]
+    lm.batch_next_token_logprobs_sync(contexts, lora_name="a")
+    lm.batch_next_token_logprobs_sync(contexts, lora_name="b")
+    assert len(lm.cache) == 4
+    lm.remove_lora("a")
+    assert len(lm.cache) == 2 and lm.loras.names == ["b"]
+    assert list(scheduler.loaded_loras.values()) == ["b"]
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'; registered adapters: 'b'"):
+        lm.next_token_logprobs_sync(contexts[0], lora_name="a")
+    lm.set_lora(lora_name="b")
+    lm.remove_lora("b")  # the active adapter: the base model becomes active
+    assert lm.loras.active is None and scheduler.loaded_loras == {}
+    rows = lm.batch_next_token_logprobs_sync(contexts)
+    for context, row in zip(contexts, rows, strict=True):
+        assert_lora_matches(row, None, context, reference)
+    lm.set_lora(str(folders["a"]), "a")  # set_lora with a path loads and activates
+    assert_lora_matches(lm.next_token_logprobs_sync(contexts[0]), "a", contexts[0], reference)
+
+
+async def test_removing_an_adapter_finishes_its_requests_in_flight(make_lora_lm, lora_setup):
+    _, reference = lora_setup
+    lora_lm = make_lora_lm(cache_size=16)
+    scheduler = lora_lm.sgl_model
+    pending = asyncio.create_task(lora_lm.next_token_logprobs(LONG, lora_name="a"))
+    await until(lambda: scheduler.forward_ct > 0)  # LONG is being prefilled (4 steps)
+    assert not pending.done()
+    lora_lm.remove_lora("a")
+    assert_lora_matches(await pending, "a", LONG, reference)
+    assert len(lora_lm.cache) == 0  # nothing cached under an adapter that is gone
+
+
+async def test_a_request_for_an_adapter_the_scheduler_lacks_is_aborted(lora_lm, lora_setup):
+    _, reference = lora_setup
+    scheduler = lora_lm.sgl_model
+    lora_lm.loras.add("stale", "0" * 32)  # as if its adapter had been unloaded meanwhile
+    context = llama_contexts()[0]
+    with pytest.raises(RuntimeError, match="SGLang aborted the request: .* is not loaded"):
+        await lora_lm.next_token_logprobs(context, lora_name="stale")
+    with pytest.raises(RuntimeError, match="SGLang aborted the request: .* is not loaded"):
+        lora_lm.next_token_logprobs_sync(context, lora_name="stale")
+    lora_lm.loras.remove("stale")
+    assert scheduler.is_idle()
+    assert_lora_matches(await lora_lm.next_token_logprobs(context, "a"), "a", context, reference)
+
+
+async def test_unknown_adapter_names_list_the_registered_ones(lora_lm, lm):
+    ids = llama_contexts()[0]
+    registered = "registered adapters: 'a', 'b'"
+    calls = [
+        lambda: lora_lm.next_token_logprobs_sync(ids, lora_name="c"),
+        lambda: lora_lm.batch_next_token_logprobs_sync([ids], lora_name="c"),
+        lambda: lora_lm.batch_next_token_logprobs_sync([], lora_name="c"),
+        lambda: lora_lm.set_lora(lora_name="c"),
+        lambda: lora_lm.remove_lora("c"),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=registered):
+            call()
+    coroutines = [
+        lambda: lora_lm.next_token_logprobs(ids, lora_name="c"),
+        lambda: lora_lm.batch_next_token_logprobs([ids], lora_name="c"),
+        lambda: lora_lm.batch_next_token_logprobs([], lora_name="c"),
+        lambda: lora_lm.sample(ids, 2, [], lora_name="c"),
+        lambda: lora_lm.batch_sample([ids], 2, [], lora_name="c"),
+    ]
+    for coroutine in coroutines:
+        with pytest.raises(ValueError, match=registered):
+            await coroutine()
+    assert lora_lm.sgl_model.received == []
+    with pytest.raises(ValueError, match="registered adapters: none"):
+        lm.next_token_logprobs_sync(contexts(1)[0], lora_name="a")
+
+
+def test_lora_needs_a_scheduler_built_with_lora(lm, lora_setup):
+    folders, _ = lora_setup
+    with pytest.raises(ValueError, match="enable_lora.*max_lora_rank.*lora_target_modules"):
+        lm.add_new_lora(str(folders["a"]), "a")
+    with pytest.raises(ValueError, match="enable_lora"):
+        lm.set_lora(str(folders["a"]), "a")
+    assert lm.loras.names == []
+
+
+# -- owned results and empty batches --------------------------------------------------
+
+
+async def test_changing_a_returned_row_changes_nothing_else(make_lora_lm, lora_setup):
+    _, reference = lora_setup
+    lm = make_lora_lm(cache_size=16)
+    context = llama_contexts()[0]
+    first, twin = await asyncio.gather(  # one computation, two callers
+        lm.next_token_logprobs(context, lora_name="a"),
+        lm.next_token_logprobs(context, lora_name="a"),
+    )
+    first.fill_(0.0)
+    assert_lora_matches(twin, "a", context, reference)
+    cached = await lm.next_token_logprobs(context, lora_name="a")
+    assert_lora_matches(cached, "a", context, reference)
+    cached.add_(1.0)
+    rows = lm.batch_next_token_logprobs_sync([context, context], lora_name="a")
+    rows[0].mul_(2.0)
+    assert_lora_matches(rows[1], "a", context, reference)
+    assert_lora_matches(lm.next_token_logprobs_sync(context, "a"), "a", context, reference)
+    assert lm.sgl_model.received.count(tuple(context)) == 1  # all but the first were cached
+
+
+async def test_empty_batches(lora_lm, lm):
+    for backend, vocab in ((lm, 50257), (lora_lm, LLAMA_VOCAB)):
+        for rows in (
+            backend.batch_next_token_logprobs_sync([]),
+            await backend.batch_next_token_logprobs([]),
+        ):
+            assert rows.shape == (0, vocab) and rows.dtype == torch.float32
+    assert lora_lm.batch_next_token_logprobs_sync([], lora_name="a").shape == (0, LLAMA_VOCAB)
+    assert lm.sgl_model.submission_sizes == [] and lora_lm.sgl_model.submission_sizes == []
 
 
 # -- the real engine (CUDA + SGLang) ------------------------------------------------

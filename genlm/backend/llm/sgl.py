@@ -12,6 +12,12 @@ result (`logits_output.next_token_logits`, one row per request in
 its tokens into SGLang's radix prefix cache, so a later request extending the
 same context only prefills its new tokens. Between calls the scheduler is left
 idle (no waiting or running request).
+
+LoRA adapters are loaded into a scheduler built with `enable_lora=True` through
+`Scheduler.load_lora_adapter(LoadLoRAAdapterReqInput)` (and unloaded with
+`unload_lora_adapter`), after the work in progress is finished; each request
+names its adapter by `lora_id` (`None`: the base model). SGLang batches
+requests of different adapters together and keeps their cached prefixes apart.
 """
 
 from __future__ import annotations
@@ -43,7 +49,12 @@ DEFAULT_ENGINE_OPTS: dict[str, Any] = {"disable_overlap_schedule": True}
 
 def _import_sglang_requests() -> SimpleNamespace:
     try:
-        from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+        from sglang.srt.managers.io_struct import (
+            AbortReq,
+            LoadLoRAAdapterReqInput,
+            TokenizedGenerateReqInput,
+            UnloadLoRAAdapterReqInput,
+        )
         from sglang.srt.sampling.sampling_params import SamplingParams
     except ImportError as exc:
         raise ImportError(_INSTALL_HINT) from exc
@@ -51,6 +62,8 @@ def _import_sglang_requests() -> SimpleNamespace:
         AbortReq=AbortReq,
         TokenizedGenerateReqInput=TokenizedGenerateReqInput,
         SamplingParams=SamplingParams,
+        LoadLoRAAdapterReqInput=LoadLoRAAdapterReqInput,
+        UnloadLoRAAdapterReqInput=UnloadLoRAAdapterReqInput,
     )
 
 
@@ -88,6 +101,10 @@ def _discard(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+# A query: the adapter's SGLang `lora_id` (`None`: the base model) and the context.
+Query = tuple[str | None, tuple[int, ...]]
+
+
 class _SchedulerDriver:
     """Runs one-token requests through an SGLang scheduler, one event-loop step at a time.
 
@@ -106,12 +123,13 @@ class _SchedulerDriver:
             if hasattr(scheduler, socket):
                 setattr(scheduler, socket, _DiscardSink())
 
-    def _request(self, rid: str, token_ids: Sequence[int]) -> Any:
+    def _request(self, rid: str, query: Query) -> Any:
         # Greedy (temperature 0 becomes top-k 1 in SGLang): its sampler then takes an
         # argmax and leaves `next_token_logits` as the model computed them, whereas
         # random sampling rescales them in place.
         params = self._sgl.SamplingParams(max_new_tokens=1, temperature=0.0)
         params.normalize(self.scheduler.tokenizer)
+        lora_id, token_ids = query
         return self._sgl.TokenizedGenerateReqInput(
             rid=rid,
             input_text="",
@@ -123,11 +141,12 @@ class _SchedulerDriver:
             top_logprobs_num=0,
             token_ids_logprob=None,
             stream=False,
+            lora_id=lora_id,
         )
 
-    def submit(self, token_ids_list: Sequence[Sequence[int]]) -> list[str]:
-        rids = [uuid.uuid4().hex for _ in token_ids_list]
-        requests = [self._request(rid, ids) for rid, ids in zip(rids, token_ids_list, strict=True)]
+    def submit(self, queries: Sequence[Query]) -> list[str]:
+        rids = [uuid.uuid4().hex for _ in queries]
+        requests = [self._request(rid, query) for rid, query in zip(rids, queries, strict=True)]
         with self._lock:
             self._outstanding.update(rids)
             self.scheduler.process_input_requests(requests)
@@ -204,8 +223,8 @@ class _SchedulerDriver:
                     self._results.pop(rid, None)
                 self._outstanding.difference_update(rids)
 
-    def run(self, token_ids_list: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        rids = self.submit(token_ids_list)
+    def run(self, queries: Sequence[Query]) -> list[torch.Tensor]:
+        rids = self.submit(queries)
         try:
             self.drain()
         except BaseException:
@@ -213,8 +232,8 @@ class _SchedulerDriver:
             raise
         return self.collect(rids)
 
-    async def run_async(self, token_ids_list: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        rids = self.submit(token_ids_list)
+    async def run_async(self, queries: Sequence[Query]) -> list[torch.Tensor]:
+        rids = self.submit(queries)
         try:
             while self.step():
                 await asyncio.sleep(0)  # lets callers join requests that are in flight
@@ -228,6 +247,20 @@ class _SchedulerDriver:
             self.drain()
             if not self.scheduler.flush_cache():
                 raise RuntimeError("SGLang refused to flush its prefix cache")
+
+    def load_lora(self, lora_name: str, lora_path: str, lora_id: str) -> Any:
+        request = self._sgl.LoadLoRAAdapterReqInput(
+            lora_name=lora_name, lora_path=lora_path, lora_id=lora_id
+        )
+        with self._lock:
+            self.drain()  # SGLang flushes its prefix cache after a load, which needs it idle
+            return self.scheduler.load_lora_adapter(request)
+
+    def unload_lora(self, lora_name: str, lora_id: str) -> Any:
+        request = self._sgl.UnloadLoRAAdapterReqInput(lora_name=lora_name, lora_id=lora_id)
+        with self._lock:
+            self.drain()  # the adapter's requests in flight finish with it
+            return self.scheduler.unload_lora_adapter(request)
 
 
 def _rank_kwargs(scheduler_cls: type, gpu_id: int) -> dict[str, Any]:
@@ -252,6 +285,11 @@ class AsyncSGLTransformer(AsyncLM):
     scheduler together; a context whose request is already in flight is not
     submitted again (its callers share the result). Requests run one scheduler
     step at a time, yielding to the event loop in between.
+
+    Every query method takes `lora_name=None`: `None` uses the adapter made
+    active by `set_lora` (the base model when none is), a registered adapter's
+    name uses that adapter for this call only. Requests of different adapters
+    are handed to the scheduler together; results are cached per adapter.
 
     Args:
         sgl_model: An SGLang `Scheduler` (see `from_name`), built with
@@ -285,7 +323,7 @@ class AsyncSGLTransformer(AsyncLM):
         self._driver = _SchedulerDriver(sgl_model, request_types)
         self._engine_task: asyncio.Task | None = None
         self._batcher = AutoBatcher(
-            self._evaluate, batch_size=_MAX_REQUESTS_PER_DRAIN, timeout=0.0, key=tuple
+            self._evaluate, batch_size=_MAX_REQUESTS_PER_DRAIN, timeout=0.0, key=lambda q: q
         )
 
     @classmethod
@@ -300,7 +338,9 @@ class AsyncSGLTransformer(AsyncLM):
 
         Args:
             model_id: Hub name or local folder of the model.
-            engine_opts: `ServerArgs` fields overriding `DEFAULT_ENGINE_OPTS`.
+            engine_opts: `ServerArgs` fields overriding `DEFAULT_ENGINE_OPTS`
+                (for LoRA adapters: `enable_lora=True`, `max_lora_rank`,
+                `lora_target_modules`, and optionally `max_loras_per_batch`).
             gpu_id: The GPU the scheduler runs on.
             **kwargs: Passed to the constructor (`cache_size`, `cache_opts`).
 
@@ -320,79 +360,176 @@ class AsyncSGLTransformer(AsyncLM):
         scheduler = sgl.Scheduler(server_args, port_args, **_rank_kwargs(sgl.Scheduler, gpu_id))
         return cls(scheduler, **kwargs)
 
-    def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        return check_token_ids(token_ids, self.vocab_size, self.max_length)
+    def _query(self, token_ids: Sequence[int], lora_name: str | None) -> Query:
+        adapter = self.loras.select(lora_name)
+        lora_id = None if adapter is None else self.loras[adapter]
+        return lora_id, check_token_ids(token_ids, self.vocab_size, self.max_length)
 
-    async def _evaluate(self, contexts: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    async def _evaluate(self, queries: list[Query]) -> list[torch.Tensor]:
         self._engine_task = asyncio.current_task()
         try:
-            rows = await self._driver.run_async(contexts)
+            rows = await self._driver.run_async(queries)
         finally:
             self._engine_task = None
-        for context, row in zip(contexts, rows, strict=True):
-            self.cache[context] = row
+        self._cache_rows(queries, rows)
         return rows
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def _cache_rows(self, queries: Sequence[Query], rows: Sequence[torch.Tensor]) -> None:
+        # An adapter replaced or removed while its requests ran leaves nothing cached.
+        loaded = {self.loras[name] for name in self.loras.names}
+        for query, row in zip(queries, rows, strict=True):
+            if query[0] is None or query[0] in loaded:
+                self.cache[query] = row
+
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token, batched with concurrent calls.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`,
+            owned by the caller.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             asyncio.CancelledError: If `reset_async_queries()` dropped the query.
         """
-        context = self._check(token_ids)
-        cached = self.cache.get(context)
+        query = self._query(token_ids, lora_name)
+        cached = self.cache.get(query)
         if cached is not None:
             return cached
-        return await self._batcher.submit(context)
+        return await self._batcher.submit(query)
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Synchronous `next_token_logprobs` (works inside a running event loop too).
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D tensor over the model's vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`,
+            owned by the caller.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        return self.batch_next_token_logprobs_sync([token_ids])[0]
+        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
 
     def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
         """Next-token log-probabilities of several contexts in one scheduler run.
 
         Contexts found in the output cache are not recomputed.
 
         Args:
-            token_ids_list: The contexts.
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 2-D tensor, one row per context, in input order.
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context).
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        contexts = [self._check(ids) for ids in token_ids_list]
-        if not contexts:
+        queries = [self._query(ids, lora_name) for ids in token_ids_list]
+        if not queries:
+            self.loras.select(lora_name)
             return torch.empty((0, self.vocab_size))
-        rows = {c: self.cache[c] for c in dict.fromkeys(contexts) if c in self.cache}
-        missing = [c for c in dict.fromkeys(contexts) if c not in rows]
+        rows = {q: self.cache[q] for q in dict.fromkeys(queries) if q in self.cache}
+        missing = [q for q in dict.fromkeys(queries) if q not in rows]
         if missing:
             computed = self._driver.run(missing)
-            for context, row in zip(missing, computed, strict=True):
-                self.cache[context] = row
-                rows[context] = row
-        return torch.stack([rows[c] for c in contexts])
+            self._cache_rows(missing, computed)
+            rows.update(zip(missing, computed, strict=True))
+        return torch.stack([rows[q] for q in queries])
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Load a LoRA adapter into the scheduler under `lora_name` (it is not activated).
+
+        The scheduler first finishes the work in progress; SGLang then flushes
+        its prefix cache.
+
+        Args:
+            lora_path: Folder of a PEFT LoRA adapter.
+            lora_name: Name to select it by (`set_lora`, or `lora_name=` per
+                call). Loading an adapter under a name in use unloads the old
+                one and drops its cached results first (an active name stays
+                active; calls still queued for the old one fail, see `remove_lora`).
+
+        Raises:
+            ValueError: If the scheduler was built without LoRA support.
+            RuntimeError: If SGLang fails to load the adapter (the name is then
+                unregistered, even if it named an adapter before).
+        """
+        if not getattr(self.sgl_model.server_args, "enable_lora", False):
+            raise ValueError(
+                "the SGLang scheduler was built without LoRA support: pass engine_opts="
+                "{'enable_lora': True, 'max_lora_rank': <rank>, 'lora_target_modules': "
+                "[...]} to from_name (and 'max_loras_per_batch' to batch more adapters)"
+            )
+        if lora_name in self.loras:
+            self._unload(lora_name, self.loras[lora_name])
+        lora_id = uuid.uuid4().hex
+        result = self._driver.load_lora(lora_name, lora_path, lora_id)
+        if not result.success:
+            if lora_name in self.loras:
+                self.loras.remove(lora_name)
+            raise RuntimeError(
+                f"SGLang could not load LoRA adapter {lora_name!r} from {lora_path!r}: "
+                f"{result.error_message}"
+            )
+        self.loras.add(lora_name, lora_id)
+
+    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+        """Activate an adapter, loading it from `lora_path` first if it is new.
+
+        Args:
+            lora_path: Folder of the adapter; needed only if `lora_name` was not added.
+            lora_name: The adapter that calls with `lora_name=None` use from now on.
+
+        Raises:
+            ValueError: If `lora_name` was never added and no `lora_path` is given.
+        """
+        if lora_name not in self.loras and lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self.loras.active = self.loras.check(lora_name)
+
+    def clear_lora(self) -> None:
+        """Deactivate LoRA adapters: calls with `lora_name=None` use the base model."""
+        self.loras.active = None
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter from the scheduler and drop its cached results.
+
+        Its requests already in the scheduler finish first. Calls for it still
+        queued in this backend fail with `RuntimeError` (SGLang aborts requests
+        for an adapter it does not hold), and so do the calls batched with them.
+
+        Args:
+            lora_name: A registered adapter (if active, the base model becomes active).
+
+        Raises:
+            ValueError: If no adapter is registered under `lora_name`.
+            RuntimeError: If SGLang fails to unload it (it is unregistered anyway).
+        """
+        self._unload(lora_name, self.loras.remove(lora_name))
+
+    def _unload(self, lora_name: str, lora_id: str) -> None:
+        self.cache.remove_if(lambda query: query[0] == lora_id)
+        result = self._driver.unload_lora(lora_name, lora_id)
+        if not result.success:
+            raise RuntimeError(
+                f"SGLang could not unload LoRA adapter {lora_name!r}: {result.error_message}"
+            )
 
     def clear_cache(self) -> None:
         """Drop the output cache and flush SGLang's prefix (KV) cache."""

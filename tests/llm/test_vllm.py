@@ -417,6 +417,22 @@ def test_capture_records_rows_by_request():
         capture.get_all_logprobs()
 
 
+def test_capture_normalises_half_precision_logits_in_float32():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    capture = GlobalLogprobsCapture()
+    params = SamplingParams(extra_args={"genlm_capture_tag": "t"})
+    capture.update_state(BatchUpdate(1, removed=[], added=[(0, params, [1], [])], moved=[]))
+    logits = (torch.randn(1, 49152, generator=torch.Generator().manual_seed(0)) * 8).bfloat16()
+    capture.apply(logits)
+    (row,) = capture.take(["t"])
+    assert row.dtype == torch.float32
+    torch.testing.assert_close(row, torch.log_softmax(logits[0].float(), -1), rtol=0, atol=0)
+    # A bfloat16 log-softmax rounds to 2^-8 relative: far from the float32 one.
+    assert (torch.log_softmax(logits[0], -1).float() - row).abs().max() > 1e-2
+
+
 def test_missing_engine_hooks_name_the_vllm_version():
     import vllm
 

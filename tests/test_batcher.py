@@ -319,3 +319,20 @@ def test_threads_with_their_own_loops_are_all_served(kind):
             expected = [(offset + 10 * step + i) ** 2 for i in range(3)]
             got = [float(r[0]) if isinstance(r, torch.Tensor) else r for r in results]
             assert got == expected
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_an_exception_returned_for_one_request_reaches_only_its_callers(kind):
+    def answers(requests):
+        return [ValueError(f"no {r}") if r == 2 else r * r for r in requests]
+
+    async def async_answers(requests):
+        return answers(requests)
+
+    evaluate = answers if kind == "sync" else async_answers
+    batcher = AutoBatcher(evaluate, batch_size=3, timeout=NEVER, key=lambda r: r)
+    outcomes = await gather(
+        batcher.submit(1), batcher.submit(2), batcher.submit(2), batcher.submit(3)
+    )
+    assert outcomes[0] == 1 and outcomes[3] == 9
+    assert all(isinstance(o, ValueError) and str(o) == "no 2" for o in outcomes[1:3])

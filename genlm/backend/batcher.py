@@ -12,7 +12,9 @@ Guarantees:
   caller gets its own result: callers beyond the first of a shared request get
   a copy (`clone()` or `copy()` of the result, when it has one).
 - An exception raised by the evaluator reaches exactly the callers of that
-  batch; later batches run normally.
+  batch; later batches run normally. An evaluator may also return an
+  exception in place of one request's result: only that request's callers
+  receive it.
 - A caller that cancels its await is skipped; a request whose callers have
   all cancelled is not evaluated.
 - `reset()` cancels every waiting caller, so nobody hangs.
@@ -283,6 +285,8 @@ class AutoBatcher(Generic[RequestT, ResultT]):
             for n, future in enumerate(entry.live_futures()):
                 if error is not None:
                     _in_loop(future, _set_exception, future, error)
+                elif isinstance(results[i], BaseException):
+                    _in_loop(future, _set_exception, future, results[i])
                 else:
                     result = results[i] if n == 0 else _own_copy(results[i])
                     _in_loop(future, _set_result, future, result)

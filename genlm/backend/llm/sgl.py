@@ -200,15 +200,13 @@ class _SchedulerDriver:
         while self.step():
             pass
 
-    def collect(self, rids: Sequence[str]) -> list[torch.Tensor]:
+    def collect(self, rids: Sequence[str]) -> list[torch.Tensor | BaseException]:
+        """Each request's row, or the error that ended it (e.g. SGLang aborted it)."""
         with self._lock:
             outcomes = [self._results.pop(rid, None) for rid in rids]
             self._outstanding.difference_update(rids)
-        for outcome in outcomes:
-            if outcome is None:
-                raise RuntimeError("the SGLang scheduler went idle without finishing a request")
-            if isinstance(outcome, BaseException):
-                raise outcome
+        if any(outcome is None for outcome in outcomes):
+            raise RuntimeError("the SGLang scheduler went idle without finishing a request")
         return outcomes
 
     def discard(self, rids: Sequence[str]) -> None:
@@ -230,9 +228,13 @@ class _SchedulerDriver:
         except BaseException:
             self.discard(rids)
             raise
-        return self.collect(rids)
+        outcomes = self.collect(rids)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
 
-    async def run_async(self, queries: Sequence[Query]) -> list[torch.Tensor]:
+    async def run_async(self, queries: Sequence[Query]) -> list[torch.Tensor | BaseException]:
         rids = self.submit(queries)
         try:
             while self.step():
@@ -365,7 +367,7 @@ class AsyncSGLTransformer(AsyncLM):
         lora_id = None if adapter is None else self.loras[adapter]
         return lora_id, check_token_ids(token_ids, self.vocab_size, self.max_length)
 
-    async def _evaluate(self, queries: list[Query]) -> list[torch.Tensor]:
+    async def _evaluate(self, queries: list[Query]) -> list[torch.Tensor | BaseException]:
         self._engine_task = asyncio.current_task()
         try:
             rows = await self._driver.run_async(queries)
@@ -374,11 +376,13 @@ class AsyncSGLTransformer(AsyncLM):
         self._cache_rows(queries, rows)
         return rows
 
-    def _cache_rows(self, queries: Sequence[Query], rows: Sequence[torch.Tensor]) -> None:
+    def _cache_rows(
+        self, queries: Sequence[Query], rows: Sequence[torch.Tensor | BaseException]
+    ) -> None:
         # An adapter replaced or removed while its requests ran leaves nothing cached.
         loaded = {self.loras[name] for name in self.loras.names}
         for query, row in zip(queries, rows, strict=True):
-            if query[0] is None or query[0] in loaded:
+            if isinstance(row, torch.Tensor) and (query[0] is None or query[0] in loaded):
                 self.cache[query] = row
 
     async def next_token_logprobs(
@@ -512,7 +516,7 @@ class AsyncSGLTransformer(AsyncLM):
 
         Its requests already in the scheduler finish first. Calls for it still
         queued in this backend fail with `RuntimeError` (SGLang aborts requests
-        for an adapter it does not hold), and so do the calls batched with them.
+        for an adapter it does not hold); calls batched with them are served.
 
         Args:
             lora_name: A registered adapter (if active, the base model becomes active).

@@ -139,12 +139,12 @@ async def test_lockstep_particles_reuse_the_previous_batch_and_match_uncached(lm
     # Particles of equal length that all grow by one token are the SMC pattern the backend
     # serves from the previous batch's buffer (in place, or one copy per row after
     # resampling) instead of gathering cached segments; results must not change.
-    from genlm.backend.llm import hf
+    from genlm.backend.llm.hf_batch import BatchKV
 
     gathers = []
-    original = hf._BatchKV._gather
+    original = BatchKV._gather
     monkeypatch.setattr(
-        hf._BatchKV, "_gather", lambda self, buffer: gathers.append(1) or original(self, buffer)
+        BatchKV, "_gather", lambda self, buffer: gathers.append(1) or original(self, buffer)
     )
     steps = 10
     assert await run_smc(lm, n=6, steps=steps, seed=11, resample_every=4, lockstep=True) == 60

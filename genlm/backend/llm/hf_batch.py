@@ -1,0 +1,217 @@
+"""The key/value buffer of one batch of the transformers backend (`AsyncTransformer`).
+
+A batch's cached prefixes are laid out in one buffer `[layers, 2, rows,
+kv_heads, slots, head_dim]`, right-padded to the longest prefix, followed by
+slots for the new tokens, which the model writes in place (`BatchLayer`, a
+transformers cache layer). `KVWorkspace` keeps the memory between batches and
+lets a batch that extends the previous one start from its buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+_SPARE_SLOTS = 32  # token slots a batch buffer keeps free, so following steps append in place
+
+
+class BatchKV:
+    """The key/value buffer of one batch, shaped `[layers, 2, rows, kv_heads, slots, head_dim]`.
+
+    Slots `[0, past_length)` hold each row's cached prefix (right-padded with
+    zeros), slots `[past_length, past_length + n_new)` receive the new tokens.
+    The buffer is allocated at the first layer's update, when the key/value
+    shape and dtype the model produces are known. It is a view of `storage`,
+    which has spare slots for the next steps.
+
+    Args:
+        segments: Each row's cached prefix, as key/value views of the tree.
+        past_length: Slots reserved for the longest prefix.
+        n_new: Slots for the new tokens.
+        n_layers: Layers of the model.
+        workspace: Where the storage comes from.
+        previous: The last batch's storage and, for each row, the row of it
+            that holds this row's whole prefix (from `KVWorkspace.recall`), or
+            `None` to gather the prefixes from `segments`.
+    """
+
+    def __init__(
+        self,
+        segments: list[tuple[torch.Tensor, ...]],
+        past_length: int,
+        n_new: int,
+        n_layers: int,
+        workspace: KVWorkspace,
+        previous: tuple[torch.Tensor, list[int]] | None,
+    ):
+        self.segments = segments
+        self.workspace = workspace
+        self.previous = previous
+        self.past_length = past_length
+        self.n_new = n_new
+        self.n_layers = n_layers
+        self.storage: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None
+
+    def as_cache(self) -> Cache:
+        return Cache(layers=[BatchLayer(self, layer) for layer in range(self.n_layers)])
+
+    def allocate(self, key_states: torch.Tensor) -> torch.Tensor:
+        if self.buffer is not None:
+            return self.buffer
+        rows, heads, _, head_dim = key_states.shape
+        slots = self.past_length + self.n_new
+        shape = (self.n_layers, 2, rows, heads, slots, head_dim)
+        storage = self._from_previous(shape, key_states)
+        if storage is None:
+            storage = self.workspace.take(shape, key_states)
+            self._gather(storage)
+        self.storage = storage
+        self.buffer = storage.narrow(-2, 0, slots)
+        return self.buffer
+
+    def _from_previous(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
+        """The storage built from the previous batch's (`None` if it does not fit)."""
+        if self.previous is None:
+            return None
+        old, sources = self.previous
+        if (old.shape[3], old.shape[5], old.dtype, old.device) != (
+            shape[3],
+            shape[5],
+            like.dtype,
+            like.device,
+        ):
+            return None
+        if sources == list(range(old.shape[2])) and old.shape[-2] >= shape[-2]:
+            return old  # every row extends itself: the new tokens go into spare slots
+        storage = self.workspace.take(shape, like)
+        for row, source in enumerate(sources):
+            storage[:, :, row, :, : self.past_length].copy_(
+                old[:, :, source, :, : self.past_length]
+            )
+        return storage
+
+    def _gather(self, buffer: torch.Tensor) -> None:
+        """Copy every row's cached segments into its slots; zero the padding."""
+        # Consecutive rows that share a cached segment (the prompt, say) get it in one copy.
+        runs: dict[tuple[int, int, int], list] = {}  # (slot, address, length) -> [rows, segment]
+        for row, segments in enumerate(self.segments):
+            offset = 0
+            for segment in segments:
+                length = segment.shape[-2]
+                key = (offset, segment.data_ptr(), length)
+                run = runs.get(key)
+                if run is not None and run[0].stop == row:
+                    run[0] = range(run[0].start, row + 1)
+                else:
+                    if run is not None:
+                        self._fill(buffer, key[0], *run)
+                    runs[key] = [range(row, row + 1), segment]
+                offset += length
+            # Masked slots must still hold finite numbers: attention multiplies them by 0.
+            buffer[:, :, row, :, offset : self.past_length].zero_()
+        for (offset, _, _), run in runs.items():
+            self._fill(buffer, offset, *run)
+
+    @staticmethod
+    def _fill(buffer: torch.Tensor, offset: int, rows: range, segment: torch.Tensor) -> None:
+        target = buffer[:, :, rows.start : rows.stop, :, offset : offset + segment.shape[-2]]
+        target.copy_(segment.unsqueeze(2).expand_as(target))
+
+
+class KVWorkspace:
+    """Memory that successive batches reuse for their key/value buffers.
+
+    A fresh buffer per batch would be mapped and page-faulted anew at every
+    step, which costs about as much as filling it. Two storages are kept (each
+    the largest so far, with spare slots) and batches alternate between them,
+    so that a batch can be built from the last one's buffer: `remember` keeps
+    the last unpadded batch's storage and contexts, `recall` tells the next
+    batch which of its rows hold the whole prefix of each new row. Its rows
+    hold the same values as the tree (they were inserted from it or into it).
+    """
+
+    def __init__(self) -> None:
+        self._flats: list[torch.Tensor | None] = [None, None]
+        self._current = 0
+        self._last: tuple[Hashable, dict[tuple[int, ...], int], int, torch.Tensor] | None = None
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A storage for a buffer of `shape` with spare slots (dimension -2), not the last one's."""
+        self._current = 1 - self._current
+        per_slot = math.prod(shape) // shape[-2]
+        flat = self._flats[self._current]
+        if (
+            flat is None
+            or flat.numel() < math.prod(shape)
+            or (flat.dtype, flat.device) != (like.dtype, like.device)
+        ):
+            self._flats[self._current] = None  # free the old storage before allocating anew
+            slots = shape[-2] + shape[-2] // 4 + _SPARE_SLOTS
+            flat = self._flats[self._current] = like.new_empty(per_slot * slots)
+        slots = flat.numel() // per_slot
+        return flat[: per_slot * slots].view(*shape[:-2], slots, shape[-1])
+
+    def remember(
+        self, adapter: Hashable, contexts: list[tuple[int, ...]], storage: torch.Tensor
+    ) -> None:
+        """Keep `storage` of a batch without padding, whose rows hold all of `contexts`."""
+        rows = {context: row for row, context in enumerate(contexts)}
+        self._last = (adapter, rows, len(contexts[0]), storage)
+
+    def recall(
+        self, adapter: Hashable, contexts: list[tuple[int, ...]], past_lengths: list[int]
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The last storage and, per context, its row holding the context's past.
+
+        `None` unless every context's past is exactly a context of the last batch
+        (of the same adapter). The last batch is forgotten either way: the new
+        batch may overwrite its storage.
+        """
+        last, self._last = self._last, None
+        if last is None or last[0] != adapter:
+            return None
+        _, rows, length, storage = last
+        if any(past != length for past in past_lengths):
+            return None
+        sources = [rows.get(context[:length]) for context in contexts]
+        return None if None in sources else (storage, sources)
+
+    def forget(self) -> None:
+        """Drop the last batch's record (its storage stays for reuse)."""
+        self._last = None
+
+    def release(self) -> None:
+        """Free both storages."""
+        self._flats = [None, None]
+        self._last = None
+
+
+class BatchLayer(DynamicLayer):
+    """One layer's view of a `BatchKV`: new key/values are written in place, never concatenated."""
+
+    def __init__(self, batch: BatchKV, layer: int):
+        super().__init__()
+        self._batch = batch
+        self._layer = layer
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        buffer = self._batch.allocate(key_states)
+        keys, values = buffer[self._layer, 0], buffer[self._layer, 1]
+        start, length = self._batch.past_length, key_states.shape[-2]
+        keys[:, :, start : start + length].copy_(key_states)
+        values[:, :, start : start + length].copy_(value_states)
+        self.keys, self.values, self.is_initialized = keys, values, True
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self._batch.past_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._batch.past_length + query_length, 0

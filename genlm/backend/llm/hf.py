@@ -14,10 +14,9 @@ One evaluation of a batch of queries is one forward pass:
    matched prefixes; the logits of each row's last token become its result.
 
 A sampler's next step usually extends every row of the batch before by a
-token: then the new buffer is built from the previous one (`KVWorkspace.recall`,
-in `hf_batch`)
-instead of from the tree, with no copy at all when the rows are the same and
-in the same order (the new tokens go into the buffer's spare slots).
+token: then the new buffer is built from the previous one (`KVWorkspace.recall`
+in `hf_batch`) instead of from the tree, with no copy at all when the rows are
+the same and in the same order (the new tokens go into the buffer's spare slots).
 """
 
 from __future__ import annotations

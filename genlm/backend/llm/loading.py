@@ -9,7 +9,7 @@ import torch
 
 from genlm.backend.llm.base import AsyncLM
 
-BACKENDS = ("hf", "vllm", "sgl", "mock")
+BACKENDS = ("hf", "vllm", "sgl", "mlx", "mock")
 
 
 def default_backend() -> str:
@@ -30,8 +30,8 @@ def load_model_by_name(
 
     Args:
         name: The model, passed to the backend's `from_name`.
-        backend: `"hf"` (transformers), `"vllm"`, `"sgl"` (SGLang) or `"mock"`
-            (tokenizer only); `None` picks `default_backend()`.
+        backend: `"hf"` (transformers), `"vllm"`, `"sgl"` (SGLang), `"mlx"`
+            or `"mock"` (tokenizer only); `None` picks `default_backend()`.
         llm_opts: Keyword arguments for the backend's `from_name`.
 
     Returns:
@@ -59,6 +59,10 @@ def load_model_by_name(
         from genlm.backend.llm.sgl import AsyncSGLTransformer
 
         return AsyncSGLTransformer.from_name(name, **opts)
+    if backend == "mlx":
+        from genlm.backend.llm.mlx import AsyncMlxLM
+
+        return AsyncMlxLM.from_name(name, **opts)
     from genlm.backend.llm.base import MockAsyncLM
 
     return MockAsyncLM.from_name(name, **opts)

@@ -60,6 +60,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         check_cpu_torch
     fi
     "$VENV/bin/python" -m pip install -q -e ".[tests,lora,docs]"
+    # MLX (its CPU build on Linux) and mlx-lm, so the MLX backend is tested for real. MLX
+    # publishes wheels for Linux (x86-64, arm64) and Apple-silicon macOS only.
+    case "$(uname -s)/$(uname -m)" in
+        Linux/x86_64 | Linux/aarch64 | Darwin/arm64)
+            "$VENV/bin/python" -m pip install -q -e ".[mlx]" ;;
+        *) echo "note: MLX has no build for $(uname -s)/$(uname -m); the MLX tests are skipped" ;;
+    esac
     # The CPU build of vLLM, so its backend is tested for real (x86-64: seen to work with
     # AVX-512 and with AVX2 only; GENLM_SETUP_VLLM=0 skips it). It must come after the
     # install above: see the script.

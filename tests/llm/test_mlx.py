@@ -432,6 +432,34 @@ async def test_smollm2_agrees_with_transformers(smollm2_path):
     assert lm.str_vocab[int(lm.next_token_logprobs_sync(prompt).argmax())] == " Paris"
 
 
+async def test_sliding_window_layers_see_only_their_window(lm, tiny_llama_path):
+    # A random Llama whose first layer attends to the last 4 positions only: cached,
+    # ragged and padded rows must apply that window at every row's true positions.
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+    )
+    mx.random.seed(1)
+    model = llama.Model(args)
+    windowed = AsyncMlxLM(model, lm.tokenizer)
+    prompt = random_ids(60, 10)
+    windowed.cache_kv(prompt)
+    contexts = [prompt + [1], prompt + [2, 3], prompt[:6] + [4], random_ids(61, 3)]
+    results = await asyncio.gather(*(windowed.next_token_logprobs(c) for c in contexts))
+    for context, result in zip(contexts, results, strict=True):
+        assert_close(result, mlx_reference(model, context))
+
+
 def test_models_that_are_not_attention_only_are_refused():
     from mlx_lm.models import mamba
 

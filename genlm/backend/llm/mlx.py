@@ -94,7 +94,7 @@ class AsyncMlxLM(AsyncLM):
     ):
         engine = _engine()
         engine.check_supported(mlx_lm_model)
-        super().__init__(getattr(tokenizer, "_tokenizer", tokenizer))
+        super().__init__(engine.hf_tokenizer(tokenizer))
         self.model = mlx_lm_model
         args = getattr(mlx_lm_model, "args", None)
         self._max_length = getattr(args, "max_position_embeddings", None)

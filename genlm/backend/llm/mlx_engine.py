@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from mlx.utils import tree_unflatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 _SPARE_SLOTS = 32  # token slots a batch keeps free, so following steps append in place
 
@@ -43,6 +44,11 @@ def to_mlx(tensor: torch.Tensor) -> mx.array:
     if tensor.dtype == torch.bfloat16:
         return mx.array(tensor.view(torch.uint16).numpy()).view(mx.bfloat16)
     return mx.array(tensor.numpy())
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's `TokenizerWrapper` (others as they are)."""
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 def check_supported(model: Any) -> None:

@@ -49,6 +49,20 @@ async def gather(*aws):
     return await asyncio.wait_for(asyncio.gather(*aws, return_exceptions=True), HANG_GUARD)
 
 
+async def stream(batcher, values, until=lambda: False):
+    """Queue one value per pass of the event loop (the loop never goes quiet); stop early
+    once `until()` holds. Returns the queued values' futures."""
+    loop = asyncio.get_running_loop()
+    futures = []
+    for value in values:
+        if until():
+            break
+        futures.append(loop.create_future())
+        batcher.add(value, futures[-1])
+        await asyncio.sleep(0)
+    return futures
+
+
 @pytest.fixture(params=["sync", "async"])
 def make_evaluator(request):
     return Recorder if request.param == "sync" else AsyncRecorder
@@ -61,26 +75,49 @@ def test_rejects_bad_settings():
         AutoBatcher(Recorder(), timeout=-1)
 
 
-async def test_size_trigger_runs_a_full_batch_without_waiting(make_evaluator):
+async def test_a_gather_is_one_batch_once_the_loop_goes_quiet(make_evaluator):
     evaluate = make_evaluator()
-    batcher = AutoBatcher(evaluate, batch_size=3, timeout=NEVER)
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=NEVER)
     assert await gather(*(batcher.submit(x) for x in (1, 2, 3))) == [1, 4, 9]
     assert evaluate.batches == [[1, 2, 3]]
 
 
-async def test_timeout_trigger_runs_a_partial_batch(make_evaluator):
+async def test_a_gather_larger_than_batch_size_is_still_one_batch(make_evaluator):
     evaluate = make_evaluator()
-    batcher = AutoBatcher(evaluate, batch_size=100, timeout=0.001)
-    assert await gather(batcher.submit(2), batcher.submit(3)) == [4, 9]
-    assert evaluate.batches == [[2, 3]]
-
-
-async def test_requests_beyond_batch_size_go_to_later_batches(make_evaluator):
-    evaluate = make_evaluator()
-    batcher = AutoBatcher(evaluate, batch_size=2, timeout=0.001)
+    batcher = AutoBatcher(evaluate, batch_size=2, timeout=NEVER)
     assert await gather(*(batcher.submit(x) for x in range(5))) == [0, 1, 4, 9, 16]
-    assert sorted(len(b) for b in evaluate.batches) == [1, 2, 2]
-    assert sorted(x for b in evaluate.batches for x in b) == list(range(5))
+    assert evaluate.batches == [[0, 1, 2, 3, 4]]
+
+
+async def test_callers_that_await_on_the_way_still_join_the_batch(make_evaluator):
+    async def particle(x):
+        for _ in range(x):  # x passes of the loop before the request
+            await asyncio.sleep(0)
+        return await batcher.submit(x)
+
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=100, timeout=NEVER)
+    assert await gather(*(particle(x) for x in (3, 0, 2, 1, 0))) == [9, 0, 4, 1, 0]
+    assert [sorted(batch) for batch in evaluate.batches] == [[0, 0, 1, 2, 3]]
+
+
+async def test_a_stream_is_cut_into_batches_of_batch_size(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=3, timeout=NEVER)
+    futures = await stream(batcher, range(7))
+    assert await gather(*futures) == [x * x for x in range(7)]
+    if make_evaluator is Recorder:  # an async batch takes what arrived until its task ran
+        assert evaluate.batches == [[0, 1, 2], [3, 4, 5], [6]]
+    assert evaluate.batches[0][:3] == [0, 1, 2] and len(evaluate.batches) >= 2
+
+
+async def test_timeout_runs_a_batch_while_requests_keep_coming(make_evaluator):
+    evaluate = make_evaluator()
+    batcher = AutoBatcher(evaluate, batch_size=10**9, timeout=0.005)
+    futures = await stream(batcher, range(10**7), until=lambda: bool(evaluate.batches))
+    await gather(*futures)
+    first = evaluate.batches[0]
+    assert first == list(range(len(first))) and len(first) > 1  # neither quiet nor full
 
 
 async def test_duplicates_are_evaluated_once_per_batch(make_evaluator):
@@ -120,14 +157,15 @@ async def test_a_request_in_flight_is_joined_not_resubmitted():
 async def test_async_batches_run_one_at_a_time():
     evaluate = AsyncRecorder(gate=True)
     batcher = AutoBatcher(evaluate, batch_size=1, timeout=NEVER)
-    tasks = [asyncio.ensure_future(batcher.submit(x)) for x in (1, 2, 3)]
+    tasks = [asyncio.ensure_future(batcher.submit(1))]
     await asyncio.wait_for(evaluate.started.wait(), HANG_GUARD)
+    tasks += [asyncio.ensure_future(batcher.submit(x)) for x in (2, 3)]
     for _ in range(10):
         await asyncio.sleep(0)
     assert evaluate.batches == [[1]]  # the others wait for the running batch
     evaluate.release.set()
     assert await gather(*tasks) == [1, 4, 9]
-    assert evaluate.batches == [[1], [2], [3]]
+    assert evaluate.batches == [[1], [2, 3]]
 
 
 async def test_an_exception_reaches_exactly_its_batch(make_evaluator):
@@ -247,13 +285,13 @@ async def test_flush_evaluates_everything_queued_synchronously():
     futures = [loop.create_future() for _ in range(3)]
     for value, future in zip((1, 2, 3), futures, strict=True):
         batcher.add(value, future)
-    assert [f.result() for f in futures[:2]] == [1, 4]  # the size trigger ran [1, 2]
-    assert not futures[2].done()
+    assert not any(f.done() for f in futures)  # batches run from the event loop
     batcher.flush()
-    assert futures[2].result() == 9
-    assert evaluate.batches == [[1, 2], [3]]
+    assert [f.result() for f in futures] == [1, 4, 9]
+    assert evaluate.batches == [[1, 2, 3]]
     batcher.flush()  # nothing queued: no call
-    assert len(evaluate.batches) == 2
+    await asyncio.sleep(0.01)  # nor from the loop
+    assert len(evaluate.batches) == 1
 
 
 async def test_flush_needs_a_sync_evaluator():
@@ -262,15 +300,17 @@ async def test_flush_needs_a_sync_evaluator():
         batcher.flush()
 
 
-async def test_batch_size_and_timeout_can_change_between_calls(make_evaluator):
-    evaluate = make_evaluator()
+async def test_batch_size_and_timeout_can_change_between_calls():
+    evaluate = Recorder()
     batcher = AutoBatcher(evaluate, batch_size=10, timeout=NEVER)
     batcher.batch_size = 2
-    assert await gather(batcher.submit(1), batcher.submit(2)) == [1, 4]
+    assert await gather(*await stream(batcher, (1, 2, 3, 4))) == [1, 4, 9, 16]
     batcher.batch_size = 3
-    batcher.timeout = 0.001
-    assert await gather(*(batcher.submit(x) for x in (3, 4, 5, 6))) == [9, 16, 25, 36]
-    assert evaluate.batches == [[1, 2], [3, 4, 5], [6]]
+    assert await gather(*await stream(batcher, (5, 6, 7, 8))) == [25, 36, 49, 64]
+    assert evaluate.batches == [[1, 2], [3, 4], [5, 6, 7], [8]]
+    batcher.batch_size, batcher.timeout = 10**9, 0.001
+    await gather(*await stream(batcher, range(10**7), until=lambda: len(evaluate.batches) > 4))
+    assert len(evaluate.batches[4]) > 1  # the new timeout cut a stream
 
 
 class TensorRecorder(Recorder):

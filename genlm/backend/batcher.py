@@ -1,9 +1,18 @@
 """The auto-batcher shared by every backend and the async trie.
 
 Callers `await batcher.submit(request)` one request at a time; the batcher
-queues requests and evaluates them together, in one call of the evaluator,
-when `batch_size` distinct requests are waiting or `timeout` seconds after the
-oldest waiting one arrived, whichever comes first.
+queues requests and evaluates them together, in one call of the evaluator.
+A batch runs at the first of:
+
+- the event loop has gone a whole iteration without a new request: every
+  task that was ready has run, so all awaits of one `asyncio.gather` are in
+  (no setting to tune: a sampler's step of N particles is one batch of N);
+- `batch_size` distinct requests are waiting (requests that keep arriving
+  over many iterations, e.g. from a stream, do not wait for a quiet loop);
+- `timeout` seconds have passed since the oldest waiting request arrived.
+
+A batch takes every request waiting when it runs, so its size may exceed
+`batch_size` when many arrive within one iteration.
 
 Guarantees:
 
@@ -57,13 +66,16 @@ class _LoopQueue:
         self.pending: dict[Hashable, _Entry] = {}
         self.in_flight: dict[Hashable, _Entry] = {}
         self.timer: asyncio.TimerHandle | None = None
+        self.check: asyncio.Handle | None = None  # the next end-of-iteration check
+        self.arrivals = 0  # distinct requests queued so far
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()
 
     def cancel_timer(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        for handle in (self.timer, self.check):
+            if handle is not None:
+                handle.cancel()
+        self.timer = self.check = None
 
 
 class AutoBatcher(Generic[RequestT, ResultT]):
@@ -74,8 +86,10 @@ class AutoBatcher(Generic[RequestT, ResultT]):
             per request, in order. May be a plain function (run inline in the
             event loop, and also usable through `flush()`) or a coroutine
             function (batches then run one at a time per event loop, as tasks).
-        batch_size: Number of distinct waiting requests that triggers a batch.
-        timeout: Seconds after the oldest waiting request that trigger a batch.
+        batch_size: Number of distinct waiting requests that starts a batch
+            without waiting for the event loop to go quiet.
+        timeout: Seconds after the oldest waiting request that start a batch
+            at the latest.
         key: Maps a request to a hashable key; requests with equal keys are
             evaluated once. `None` treats every request as distinct.
     """
@@ -101,7 +115,7 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
     @property
     def batch_size(self) -> int:
-        """Number of distinct waiting requests that triggers a batch (at least 1)."""
+        """Number of distinct waiting requests that starts a batch at once (at least 1)."""
         return self._batch_size
 
     @batch_size.setter
@@ -112,7 +126,7 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
     @property
     def timeout(self) -> float:
-        """Seconds after the oldest waiting request that trigger a batch (non-negative)."""
+        """Seconds after the oldest waiting request that start a batch at the latest (>= 0)."""
         return self._timeout
 
     @timeout.setter
@@ -155,11 +169,10 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         entry = queue.in_flight.get(key) or queue.pending.get(key)
         if entry is None:
             entry = queue.pending[key] = _Entry(request)
+            queue.arrivals += 1
         entry.futures.append(future)
-        if len(queue.pending) >= self.batch_size:
-            self._trigger(queue)
-        elif queue.pending and queue.timer is None:
-            queue.timer = queue.loop.call_later(self.timeout, self._trigger, queue)
+        if queue.pending:
+            self._schedule(queue)
 
     def flush(self) -> None:
         """Evaluate everything waiting now, synchronously (plain evaluators only).
@@ -205,8 +218,27 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         with self._queues_lock:
             return [q for loop, q in self._queues.items() if not loop.is_closed()]
 
+    def _schedule(self, queue: _LoopQueue) -> None:
+        """Make sure the waiting requests have an end-of-iteration check and a deadline."""
+        if queue.check is None:
+            queue.check = queue.loop.call_soon(self._check, queue, None)
+        if queue.timer is None:
+            queue.timer = queue.loop.call_later(self.timeout, self._trigger, queue)
+
+    def _check(self, queue: _LoopQueue, arrivals_at_last_check: int | None) -> None:
+        """Run the batch if it is full, or if no request arrived since the last check.
+
+        Checks are callbacks at the end of the loop's ready queue: between two
+        of them every callback and task that was ready has run once.
+        """
+        queue.check = None
+        if len(queue.pending) >= self.batch_size or queue.arrivals == arrivals_at_last_check:
+            self._trigger(queue)
+        else:
+            queue.check = queue.loop.call_soon(self._check, queue, queue.arrivals)
+
     def _trigger(self, queue: _LoopQueue) -> None:
-        queue.timer = None
+        queue.cancel_timer()
         if not self._is_async:
             self._flush_queue(queue)
             return
@@ -216,30 +248,20 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
     def _flush_queue(self, queue: _LoopQueue) -> None:
         queue.cancel_timer()
-        while queue.pending:
-            keys, entries = self._take_batch(queue)
-            if entries:
-                self._evaluate_sync(queue, keys, entries)
+        keys, entries = self._take_batch(queue)
+        if entries:
+            self._evaluate_sync(queue, keys, entries)
 
-    def _take_batch(self, queue: _LoopQueue) -> tuple[list[Hashable], list[_Entry]]:
-        keys, entries = [], []
-        while queue.pending and len(entries) < self.batch_size:
-            key, entry = next(iter(queue.pending.items()))
-            del queue.pending[key]
-            if entry.live_futures():
-                keys.append(key)
-                entries.append(entry)
-        return keys, entries
+    @staticmethod
+    def _take_batch(queue: _LoopQueue) -> tuple[list[Hashable], list[_Entry]]:
+        """Every waiting request that still has a caller."""
+        batch = [(key, entry) for key, entry in queue.pending.items() if entry.live_futures()]
+        queue.pending.clear()
+        return [key for key, _ in batch], [entry for _, entry in batch]
 
     async def _run_async_batch(self, queue: _LoopQueue) -> None:
-        queue.cancel_timer()
         async with queue.lock:
             keys, entries = self._take_batch(queue)
-            if queue.pending:
-                if len(queue.pending) >= self.batch_size:
-                    self._trigger(queue)
-                elif queue.timer is None:
-                    queue.timer = queue.loop.call_later(self.timeout, self._trigger, queue)
             if not entries:
                 return
             for key, entry in zip(keys, entries, strict=True):

@@ -205,7 +205,7 @@ async def test_bad_input_raises_value_error_and_spares_the_batch(lm, plain, bad)
 async def test_reset_async_queries_cancels_waiting_callers(lm):
     lm.timeout = 10.0
     waiting = asyncio.ensure_future(lm.next_token_logprobs(random_ids(9, 4)))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # queued; its batch would run after the next pass of the loop
     lm.reset_async_queries()
     with pytest.raises(asyncio.CancelledError):
         await waiting

@@ -59,11 +59,14 @@ async def test_mass_sum_is_weight_sum():
     np.testing.assert_array_equal(await async_trie.mass_sum(ws), await async_trie.weight_sum(ws))
 
 
-async def test_batch_size_splits_batches():
+async def test_one_gather_is_one_batched_call_even_beyond_batch_size():
     trie = RecordingTrie(VOCAB)
-    async_trie = AsyncTokenCharacterTrie(trie, batch_size=4)
-    await asyncio.gather(*(async_trie.weight_sum(ws) for ws in random_weights(10)))
-    assert [size for _, size in trie.batches] == [4, 4, 2]
+    async_trie = AsyncTokenCharacterTrie(trie, batch_size=4, timeout=60.0)
+    weights = random_weights(10)
+    results = await asyncio.gather(*(async_trie.weight_sum(ws) for ws in weights))
+    assert trie.batches == [("sum", 10)]
+    for ws, result in zip(weights, results, strict=True):
+        np.testing.assert_array_equal(result, trie.weight_sum(ws))
 
 
 async def test_error_reaches_every_caller_of_its_batch_and_trie_recovers():

@@ -87,7 +87,8 @@ class AsyncTransformer(AsyncLM):
     Args:
         hf_model: A `transformers` causal LM (e.g. from `AutoModelForCausalLM`).
         hf_tokenizer: Its tokenizer.
-        batch_size: A batch runs as soon as this many distinct queries wait.
+        batch_size: A batch runs as soon as this many distinct queries wait (or
+            when the event loop goes quiet; see `genlm.backend.batcher`).
         timeout: ... or this many seconds after the oldest waiting query arrived.
         kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
         cache_size: Number of results (log-probability rows) kept.

@@ -66,7 +66,8 @@ class AsyncMlxLM(AsyncLM):
         mlx_lm_model: A model as loaded by `mlx_lm.load`.
         tokenizer: Its tokenizer (mlx-lm's `TokenizerWrapper` or the Hugging
             Face tokenizer it wraps).
-        batch_size: A batch runs as soon as this many distinct queries wait.
+        batch_size: A batch runs as soon as this many distinct queries wait (or
+            when the event loop goes quiet; see `genlm.backend.batcher`).
         timeout: ... or this many seconds after the oldest waiting query arrived.
         kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
         cache_size: Number of results (log-probability rows) kept.

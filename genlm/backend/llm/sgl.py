@@ -38,10 +38,6 @@ from genlm.backend.llm.base import AsyncLM, check_token_ids
 
 _INSTALL_HINT = "the SGLang backend needs SGLang: pip install 'genlm-backend[sglang]'"
 
-# Queued requests are all handed to the scheduler at once; SGLang splits them into
-# batches itself (max_running_requests, chunked prefill), so this only bounds one drain.
-_MAX_REQUESTS_PER_DRAIN = 4096
-
 # The driver reads logits synchronously from `run_batch`, which the overlap scheduler
 # does not allow; everything else keeps SGLang's defaults.
 DEFAULT_ENGINE_OPTS: dict[str, Any] = {"disable_overlap_schedule": True}
@@ -324,9 +320,9 @@ class AsyncSGLTransformer(AsyncLM):
         self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
         self._driver = _SchedulerDriver(sgl_model, request_types)
         self._engine_task: asyncio.Task | None = None
-        self._batcher = AutoBatcher(
-            self._evaluate, batch_size=_MAX_REQUESTS_PER_DRAIN, timeout=0.0, key=lambda q: q
-        )
+        # Requests go to the running scheduler at the next pass of the event loop, all
+        # at once; SGLang splits them into batches itself (max_running_requests).
+        self._batcher = AutoBatcher(self._evaluate, timeout=0.0, key=lambda q: q)
 
     @classmethod
     def from_name(

@@ -66,7 +66,8 @@ class AsyncVirtualLM(AsyncLM):
         logprobs_capture: The `GlobalLogprobsCapture` used in this process.
         cache_size: Entries of the output cache (`0` turns it off).
         cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`).
-        batch_size: Distinct waiting queries that trigger a batch.
+        batch_size: A batch runs as soon as this many distinct queries wait (or
+            when the event loop goes quiet; see `genlm.backend.batcher`).
         timeout: Seconds after the oldest waiting query that trigger a batch.
 
     Raises:

@@ -17,31 +17,33 @@ _BACKENDS = {"sequential": TokenCharacterTrie, "parallel": ParallelTokenCharacte
 class AsyncTokenCharacterTrie:
     """Awaitable `weight_sum` / `weight_max` whose concurrent calls share one batched call.
 
-    Each operation has its own `AutoBatcher`: requests that arrive while the
-    event loop is busy (for example from many `asyncio.gather`-ed samplers) are
-    evaluated together by one `batch_weight_sum` / `batch_weight_max` call on
-    the underlying trie, when `batch_size` are waiting or after `timeout`
-    seconds, whichever is first. The batch runs inline in the event loop.
-    Weight vectors are validated when submitted, so a wrong-length vector fails
-    only its own caller; an exception raised by a batched call reaches every
-    caller of that batch, and later calls still work. A caller that cancels
-    its await does not disturb the others. A weight vector is read when its
-    batch runs (it is not copied): do not modify it before the await returns.
+    Each operation has its own `AutoBatcher`: requests made together (for
+    example by many `asyncio.gather`-ed samplers) are evaluated by one
+    `batch_weight_sum` / `batch_weight_max` call on the underlying trie, run
+    inline in the event loop once the loop has run every task that was ready
+    (see `genlm.backend.batcher` for the full rule, with `batch_size` and
+    `timeout` as bounds). Weight vectors are validated when submitted, so a
+    wrong-length vector fails only its own caller; an exception raised by a
+    batched call reaches every caller of that batch, and later calls still
+    work. A caller that cancels its await does not disturb the others. A
+    weight vector is read when its batch runs (it is not copied): do not
+    modify it before the await returns.
 
     It may be created outside a running event loop and used inside one, and by
     successive `asyncio.run` calls.
 
     Args:
         trie: The trie whose reductions are batched.
-        batch_size: Number of waiting requests that triggers a batch.
-        timeout: Seconds after the first waiting request that trigger a batch.
-            The default 0 batches the requests made in the same event-loop turn.
+        batch_size: Number of waiting requests that starts a batch without
+            waiting for the event loop to go quiet.
+        timeout: Seconds after the first waiting request that start a batch at
+            the latest.
 
     Attributes:
         trie: The underlying trie.
     """
 
-    def __init__(self, trie: TokenCharacterTrie, batch_size: int = 64, timeout: float = 0.0):
+    def __init__(self, trie: TokenCharacterTrie, batch_size: int = 64, timeout: float = 0.02):
         self.trie = trie
         self._sum = AutoBatcher(self._batch_sum, batch_size=batch_size, timeout=timeout)
         self._max = AutoBatcher(self._batch_max, batch_size=batch_size, timeout=timeout)

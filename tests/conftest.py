@@ -5,12 +5,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 from genlm.backend import assets  # noqa: E402 - the environment above must be set first
+
+# vLLM on CUDA takes 90% of the GPU per engine unless told otherwise, so a second engine in
+# one process fails to start. Tests' engines take 15% each: the three a vLLM module holds at
+# once (45%) fit beside SGLang's test engine (30%) and the transformers models.
+VLLM_GPU_MEMORY_UTILIZATION = 0.15
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +45,20 @@ def tokenizer_path() -> Callable[[str], Path]:
         return assets.tokenizer(name, fetch=False)
 
     return folder
+
+
+@pytest.fixture(scope="session")
+def vllm_engine_opts() -> Callable[[dict], dict]:
+    """Factory: `engine_opts` for a test's vLLM engine, with a GPU share on CUDA.
+
+    On CUDA it adds `gpu_memory_utilization` (unless given), so that several engines share
+    one GPU; elsewhere it returns the options unchanged (on the CPU build that key would
+    replace `from_name`'s own key/value memory size).
+    """
+
+    def opts(engine_opts: dict) -> dict:
+        if torch.cuda.is_available():
+            return {"gpu_memory_utilization": VLLM_GPU_MEMORY_UTILIZATION, **engine_opts}
+        return dict(engine_opts)
+
+    return opts

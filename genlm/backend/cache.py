@@ -205,26 +205,31 @@ class KVPrefixCache:
         Returns:
             The match (length 0 at the root when nothing is cached).
         """
+        path = self._walk(tuple(token_ids), namespace, max_length)
+        segments = tuple(node._kv.narrow(-2, 0, used) for node, used in path)
+        if not path:
+            return PrefixMatch(self.root(namespace), 0, 0, ())
+        return PrefixMatch(path[-1][0], sum(used for _, used in path), path[-1][1], segments)
+
+    def _walk(
+        self, token_ids: tuple[int, ...], namespace: Hashable, max_length: int | None = None
+    ) -> list[tuple[PrefixNode, int]]:
+        """The nodes of the longest cached prefix, with the tokens of each edge it uses."""
         self._clock += 1
-        token_ids = tuple(token_ids)
         limit = len(token_ids) if max_length is None else min(max_length, len(token_ids))
-        node, matched, used, segments = self.root(namespace), 0, 0, []
+        node, matched, path = self.root(namespace), 0, []
         while matched < limit:
             child = node.children.get(token_ids[matched])
             if child is None:
                 break
             used = _common_length(child.tokens, token_ids, matched, limit)
             child.last_access = self._clock
-            segments.append(child._kv.narrow(-2, 0, used))
+            path.append((child, used))
             matched += used
             node = child
             if used < len(child.tokens):
                 break
-        else:
-            used = len(node.tokens)
-        if not segments:
-            used = 0
-        return PrefixMatch(node, matched, used, tuple(segments))
+        return path
 
     def insert(
         self,
@@ -249,14 +254,15 @@ class KVPrefixCache:
             Number of tokens newly stored.
         """
         token_ids = tuple(token_ids)
-        found = self.match(token_ids, namespace)
-        if found.length < start or found.length == len(token_ids):
+        path = self._walk(token_ids, namespace)
+        length = sum(used for _, used in path)
+        if length < start or length == len(token_ids):
             return 0
-        node = found.node
-        if found.node_tokens < len(node.tokens):
-            node = self._split(node, found.node_tokens)
-        tokens = token_ids[found.length :]
-        new_kv = key_values.narrow(-2, found.length - start, len(tokens))
+        node = path[-1][0] if path else self.root(namespace)
+        if path and path[-1][1] < len(node.tokens):
+            node = self._split(node, path[-1][1])
+        tokens = token_ids[length:]
+        new_kv = key_values.narrow(-2, length - start, len(tokens))
         self.lock(node)
         try:
             if node.parent is not None and not node.children and self._extend(node, tokens, new_kv):

@@ -40,21 +40,25 @@ def check_token_ids(
         raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     if len(token_ids) == 0:
         raise ValueError("token_ids is empty: a context needs at least one token (e.g. BOS)")
-    for position, token_id in enumerate(token_ids):
-        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
-            raise ValueError(
-                f"token_ids[{position}] = {token_id!r} is not an integer "
-                f"({type(token_id).__name__})"
-            )
-        if not 0 <= token_id < vocab_size:
-            raise ValueError(
-                f"token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab_size})"
-            )
-    if max_length is not None and len(token_ids) > max_length:
-        raise ValueError(
-            f"token_ids has {len(token_ids)} tokens; the model accepts at most {max_length}"
-        )
-    return tuple(int(t) for t in token_ids)
+    ids = tuple(token_ids)
+    # Plain ints in range (the usual case) pass in one sweep; anything else is looked at
+    # one by one, to convert other integer types or to say which id is wrong.
+    if not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size):
+        for position, token_id in enumerate(ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+                raise ValueError(
+                    f"token_ids[{position}] = {token_id!r} is not an integer "
+                    f"({type(token_id).__name__})"
+                )
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"token_ids[{position}] = {token_id} is outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+        ids = tuple(int(t) for t in ids)
+    if max_length is not None and len(ids) > max_length:
+        raise ValueError(f"token_ids has {len(ids)} tokens; the model accepts at most {max_length}")
+    return ids
 
 
 AdapterT = TypeVar("AdapterT")

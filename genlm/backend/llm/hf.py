@@ -511,9 +511,7 @@ class AsyncTransformer(AsyncLM):
         new_lengths = torch.tensor([len(tokens) for tokens in new_tokens])
         past_length, n_new = int(past_lengths.max()), int(new_lengths.max())
 
-        input_ids = torch.zeros(len(queries), n_new, dtype=torch.long)
-        for row, tokens in enumerate(new_tokens):
-            input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        input_ids = torch.tensor([tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens])
         position_ids = past_lengths[:, None] + torch.arange(n_new)
         if self._max_length is not None:
             position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
@@ -521,9 +519,12 @@ class AsyncTransformer(AsyncLM):
         attention_mask = (slots < past_lengths[:, None]) | (
             (slots >= past_length) & (slots < past_length + new_lengths[:, None])
         )
+        uniform = int(new_lengths.min()) == n_new  # every row's last token in the last column
         last_columns = new_lengths - 1
         inputs: dict[str, Any] = {}
-        if self._keeps_logits:
+        if uniform and self._keeps_logits:
+            inputs["logits_to_keep"] = 1
+        elif self._keeps_logits:
             kept, last_columns = torch.unique(last_columns, return_inverse=True)
             inputs["logits_to_keep"] = kept.to(self._device)
 
@@ -545,7 +546,11 @@ class AsyncTransformer(AsyncLM):
             use_cache=True,
             **inputs,
         )
-        logits = output.logits[torch.arange(len(queries)), last_columns.to(output.logits.device)]
+        if uniform:
+            logits = output.logits[:, -1]
+        else:
+            rows = torch.arange(len(queries))
+            logits = output.logits[rows, last_columns.to(output.logits.device)]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
 
         if batch.buffer is not None:
@@ -554,7 +559,7 @@ class AsyncTransformer(AsyncLM):
                     :, :, row, :, past_length : past_length + len(new_tokens[row])
                 ]
                 self.kv_cache.insert(query.token_ids, past.length, new_kv, adapter)
-            if int(past_lengths.min()) == past_length and int(new_lengths.min()) == n_new:
+            if uniform and int(past_lengths.min()) == past_length:
                 self._workspace.remember(adapter, contexts, batch.storage)
         # Rows of this batch's own tensor: the output cache keeps copies of them.
         return list(logprobs.unbind(0))

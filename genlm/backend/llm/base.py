@@ -43,7 +43,7 @@ def check_token_ids(
     ids = tuple(token_ids)
     # Plain ints in range (the usual case) pass in one sweep; anything else is looked at
     # one by one, to convert other integer types or to say which id is wrong.
-    if not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size):
+    if not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size):
         for position, token_id in enumerate(ids):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 raise ValueError(

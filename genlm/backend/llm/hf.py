@@ -504,29 +504,36 @@ class AsyncTransformer(AsyncLM):
         self, adapter: str | None, queries: list[Query], pasts: list[PrefixMatch]
     ) -> list[torch.Tensor]:
         """One forward pass over the uncached tokens of `queries`; caches their key/values."""
-        past_lengths = torch.tensor([past.length for past in pasts])
         new_tokens = [
             query.token_ids[past.length :] for query, past in zip(queries, pasts, strict=True)
         ]
-        new_lengths = torch.tensor([len(tokens) for tokens in new_tokens])
-        past_length, n_new = int(past_lengths.max()), int(new_lengths.max())
+        past_list = [past.length for past in pasts]
+        new_list = [len(tokens) for tokens in new_tokens]
+        past_length, n_new = max(past_list), max(new_list)
+        uniform = min(new_list) == n_new  # every row's last token in the last column
+        aligned = uniform and min(past_list) == past_length  # no padding slot anywhere
 
         input_ids = torch.tensor([tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens])
+        past_lengths = torch.tensor(past_list)
         position_ids = past_lengths[:, None] + torch.arange(n_new)
         if self._max_length is not None:
             position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
-        slots = torch.arange(past_length + n_new)
-        attention_mask = (slots < past_lengths[:, None]) | (
-            (slots >= past_length) & (slots < past_length + new_lengths[:, None])
-        )
-        uniform = int(new_lengths.min()) == n_new  # every row's last token in the last column
-        last_columns = new_lengths - 1
         inputs: dict[str, Any] = {}
-        if uniform and self._keeps_logits:
-            inputs["logits_to_keep"] = 1
-        elif self._keeps_logits:
-            kept, last_columns = torch.unique(last_columns, return_inverse=True)
-            inputs["logits_to_keep"] = kept.to(self._device)
+        if not aligned:  # without a mask the model attends to every slot, causally
+            new_lengths = torch.tensor(new_list)
+            slots = torch.arange(past_length + n_new)
+            attention_mask = (slots < past_lengths[:, None]) | (
+                (slots >= past_length) & (slots < past_length + new_lengths[:, None])
+            )
+            inputs["attention_mask"] = attention_mask.long().to(self._device)
+        if uniform:
+            if self._keeps_logits:
+                inputs["logits_to_keep"] = 1
+        else:
+            last_columns = torch.tensor(new_list) - 1
+            if self._keeps_logits:
+                kept, last_columns = torch.unique(last_columns, return_inverse=True)
+                inputs["logits_to_keep"] = kept.to(self._device)
 
         contexts = [query.token_ids for query in queries]
         batch = BatchKV(
@@ -535,12 +542,11 @@ class AsyncTransformer(AsyncLM):
             n_new,
             self._n_layers,
             self._workspace,
-            self._workspace.recall(adapter, contexts, past_lengths.tolist()),
+            self._workspace.recall(adapter, contexts, past_list),
         )
         output = self._call_model(
             adapter,
             input_ids=input_ids.to(self._device),
-            attention_mask=attention_mask.long().to(self._device),
             position_ids=position_ids.to(self._device),
             past_key_values=batch.as_cache(),
             use_cache=True,
@@ -559,7 +565,7 @@ class AsyncTransformer(AsyncLM):
                     :, :, row, :, past_length : past_length + len(new_tokens[row])
                 ]
                 self.kv_cache.insert(query.token_ids, past.length, new_kv, adapter)
-            if uniform and int(past_lengths.min()) == past_length:
+            if aligned:
                 self._workspace.remember(adapter, contexts, batch.storage)
         # Rows of this batch's own tensor: the output cache keeps copies of them.
         return list(logprobs.unbind(0))

@@ -4,15 +4,18 @@ Callers `await batcher.submit(request)` one request at a time; the batcher
 queues requests and evaluates them together, in one call of the evaluator.
 A batch runs at the first of:
 
-- the event loop has gone a whole iteration without a new request: every
-  task that was ready has run, so all awaits of one `asyncio.gather` are in
-  (no setting to tune: a sampler's step of N particles is one batch of N);
-- `batch_size` distinct requests are waiting (requests that keep arriving
-  over many iterations, e.g. from a stream, do not wait for a quiet loop);
+- a whole pass of the event loop over its ready callbacks brought no new
+  request: every task that was ready has run, so all awaits of one
+  `asyncio.gather` are in (no setting to tune: a sampler's step of N
+  particles is one batch of N);
+- `batch_size` distinct requests are waiting, checked after each pass
+  (requests that keep arriving pass after pass, e.g. from a stream, do not
+  wait for a quiet loop);
 - `timeout` seconds have passed since the oldest waiting request arrived.
 
 A batch takes every request waiting when it runs, so its size may exceed
-`batch_size` when many arrive within one iteration.
+`batch_size` when many arrive within one pass. A caller that waits on a
+thread or a timer before its request arrives later and joins a later batch.
 
 Guarantees:
 

@@ -97,6 +97,7 @@ async def smc(lm: AsyncTransformer, trace: Trace, n: int, steps: int, use_cache_
     if use_cache_kv:
         lm.cache_kv(trace.prompt)
     particles = [list(trace.prompt) for _ in range(n)]
+    tokens = trace.tokens.tolist()  # the sampler's own bookkeeping dispatches no torch ops
     sampled = {}
     for step in range(steps):
         rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
@@ -104,7 +105,7 @@ async def smc(lm: AsyncTransformer, trace: Trace, n: int, steps: int, use_cache_
             if (step, particle) in trace.checks:
                 sampled[tuple(particles[particle])] = rows[particle]
         for particle in range(n):
-            particles[particle].append(int(trace.tokens[step, particle]))
+            particles[particle].append(tokens[step][particle])
         if step in trace.ancestors:
             particles = [list(particles[a]) for a in trace.ancestors[step]]
     return sampled

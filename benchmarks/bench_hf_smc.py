@@ -58,6 +58,11 @@ class Trace:
     checks: set[tuple[int, int]]  # (step, particle) whose result is compared to the reference
 
 
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    """`"10x32,32x128"` -> `[(10, 32), (32, 128)]`: (particles, steps) pairs."""
+    return [(int(n), int(steps)) for n, steps in (pair.split("x") for pair in text.split(","))]
+
+
 def make_trace(n: int, steps: int, vocab: int, seed: int = 0) -> Trace:
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (PROMPT_LENGTH,), generator=generator).tolist()

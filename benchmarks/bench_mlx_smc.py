@@ -34,7 +34,7 @@ import time
 
 import mlx.core as mx
 import torch
-from bench_hf_smc import PROMPT_LENGTH, Trace, make_trace, run_backend
+from bench_hf_smc import PROMPT_LENGTH, Trace, make_trace, parse_configs, run_backend
 from mlx_lm.models.cache import make_prompt_cache
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--configs", default="10x32,32x128", help="NxT pairs, comma-separated")
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M)")
     args = parser.parse_args()
-    configs = [tuple(map(int, pair.split("x"))) for pair in args.configs.split(",")]
+    configs = parse_configs(args.configs)
 
     path = args.model or str(assets.smollm2())
     lm = AsyncMlxLM.from_name(path)

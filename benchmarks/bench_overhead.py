@@ -61,7 +61,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from bench_hf_smc import Trace, make_trace, run_backend, run_reference
+from bench_hf_smc import Trace, make_trace, parse_configs, run_backend, run_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -337,7 +337,7 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="profile AsyncTransformer too")
     args = parser.parse_args()
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    configs = parse_configs(args.configs)
     models = args.models.split(",")
     backends = args.backends.split(",")
     if "vllm" in backends and not vllm_available():

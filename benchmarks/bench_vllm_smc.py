@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-from bench_hf_smc import Trace, make_trace, smc  # noqa: E402 - same workload as the HF bench
+from bench_hf_smc import Trace, make_trace, parse_configs, smc  # noqa: E402 - same workload as the HF bench
 
 from genlm.backend import assets  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model")
     parser.add_argument("--configs", default="10x32,32x128", help="NxT,NxT,...")
     args = parser.parse_args()
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    configs = parse_configs(args.configs)
 
     path = str(assets.smollm2())
     engine_opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": not args.compile}

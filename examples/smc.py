@@ -161,7 +161,6 @@ def main() -> None:
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     lm = load_model_by_name(args.model or default_model(), backend=args.backend)
-    lm.batch_size = args.particles
     messages = [{"role": "user", "content": args.prompt}]
     prompt_ids = list(
         lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)[

@@ -117,3 +117,45 @@ def test_entries_are_private_copies(move_to_cpu):
     first.fill_(9)  # and what it read
     assert torch.equal(cache[(1,)], tensor(1))
     assert cache[(1,)].data_ptr() != cache[(1,)].data_ptr()
+
+
+def test_store_rows_stores_each_row_under_its_key():
+    cache = OutputCache(maxsize=4)
+    rows = torch.arange(12.0).reshape(4, 3)
+    cache.store_rows([(1,), (2,), (1,), (3,)], rows)  # a repeated key keeps its last row
+    assert len(cache) == 3
+    assert torch.equal(cache[(1,)], rows[2]) and torch.equal(cache[(2,)], rows[1])
+    assert torch.equal(cache[(3,)], rows[3])
+    rows.fill_(-1)  # the caller changes what it stored
+    assert torch.equal(cache[(3,)], torch.tensor([9.0, 10.0, 11.0]))
+
+
+def test_store_rows_keeps_the_last_rows_when_they_exceed_maxsize():
+    cache = OutputCache(maxsize=2)
+    cache[(0,)] = tensor(0)
+    cache.store_rows([(i,) for i in range(1, 6)], torch.stack([tensor(i) for i in range(1, 6)]))
+    assert [k for k in [(i,) for i in range(6)] if k in cache] == [(4,), (5,)]
+    assert torch.equal(cache[(4,)], tensor(4))
+
+
+def test_stored_rows_reuse_the_memory_of_evicted_ones():
+    # Entries of one shape share one tensor; evicted entries' slots are reused, so the
+    # memory held stays within `maxsize` rows however many batches are stored.
+    cache = OutputCache(maxsize=8)
+    for step in range(50):
+        batch = torch.stack([tensor(step * 10 + i) for i in range(3)])
+        cache.store_rows([(step, i) for i in range(3)], batch)
+        assert len(cache) <= 8
+    held = sum(pool.rows.shape[0] for pool in cache._pools.values())
+    assert held <= 8
+    assert [key for key in cache._entries] == [
+        (47, 1),
+        (47, 2),
+        *((s, i) for s in (48, 49) for i in range(3)),
+    ]
+    for step, i in list(cache._entries):
+        assert torch.equal(cache[(step, i)], tensor(step * 10 + i))
+    cache[(7,)] = torch.zeros(5)  # another shape has its own rows
+    assert torch.equal(cache[(7,)], torch.zeros(5)) and len(cache) == 8
+    cache.clear()
+    assert len(cache) == 0 and not cache._pools

@@ -11,13 +11,51 @@ from dataclasses import dataclass
 import torch
 
 
+class _RowPool:
+    """Stored rows of one shape, dtype and device, in one tensor that grows by doubling.
+
+    Slots freed by evicted entries are reused, so storing copies into memory
+    that is already mapped: a fresh tensor per stored batch would be
+    page-faulted in anew each time (for a sampler's step of 32 rows of a
+    50,000-token vocabulary, about as long as the copy itself).
+    """
+
+    __slots__ = ("rows", "free")
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.rows = like.new_empty((capacity, *like.shape[1:]))
+        self.free = list(range(capacity - 1, -1, -1))  # taken from the end
+
+    def put(self, values: torch.Tensor, limit: int) -> list[int]:
+        """Copy the rows of `values` into free slots; returns the slots.
+
+        The tensor grows when too few slots are free, to at most `limit` rows.
+        """
+        n = values.shape[0]
+        if len(self.free) < n:
+            capacity = self.rows.shape[0]
+            size = max(min(2 * capacity, limit), capacity - len(self.free) + n)
+            grown = self.rows.new_empty((size, *self.rows.shape[1:]))
+            grown[:capacity].copy_(self.rows)
+            self.rows = grown
+            self.free[:0] = range(grown.shape[0] - 1, capacity - 1, -1)
+        slots = sorted(self.free[len(self.free) - n :])
+        del self.free[len(self.free) - n :]
+        if slots == list(range(slots[0], slots[0] + n)):
+            self.rows.narrow(0, slots[0], n).copy_(values)
+        else:
+            self.rows.index_copy_(0, torch.tensor(slots, device=self.rows.device), values)
+        return slots
+
+
 class OutputCache:
     """A least-recently-used map from token-id tuples to tensors.
 
     Entries are private: storing keeps a copy of the tensor and reading
     returns a new copy, so a caller that changes a tensor in place changes
-    nothing in the cache (a copy of one logprobs row costs microseconds, far
-    less than the forward pass it saves).
+    nothing in the cache. Entries of one shape share one growing tensor (a
+    slot each), so a batch's results (`store_rows`) are stored in one copy
+    into memory that earlier entries used.
 
     Args:
         maxsize: Most entries kept; the least recently used is evicted first.
@@ -34,22 +72,16 @@ class OutputCache:
             raise ValueError(f"maxsize must be non-negative, got {maxsize}")
         self.maxsize = maxsize
         self.move_to_cpu = move_to_cpu
-        self._entries: OrderedDict[Hashable, tuple[torch.Tensor, torch.device]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[_RowPool, int, torch.device]] = OrderedDict()
+        self._pools: dict[tuple, _RowPool] = {}
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
-        value, device = self._entries[key]
+        pool, slot, device = self._entries[key]
         self._entries.move_to_end(key)
-        return value.to(device, copy=True)
+        return pool.rows[slot].to(device, copy=True)
 
     def __setitem__(self, key: Hashable, value: torch.Tensor) -> None:
-        if self.maxsize == 0:
-            return
-        device = value.device
-        stored = value.to("cpu" if self.move_to_cpu else device, copy=True)
-        self._entries[key] = (stored, device)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.maxsize:
-            self._entries.popitem(last=False)
+        self.store_rows([key], value.unsqueeze(0))
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
@@ -61,9 +93,37 @@ class OutputCache:
         """Return the entry for `key` (marking it recently used), or `None`."""
         return self[key] if key in self._entries else None
 
+    def store_rows(self, keys: Sequence[Hashable], values: torch.Tensor) -> None:
+        """Store `values[i]` under `keys[i]` for every `i`, in one copy.
+
+        Args:
+            keys: One key per row; later rows count as more recently used (a
+                repeated key keeps its last row).
+            values: The rows, a tensor with `len(keys)` entries along dimension 0.
+        """
+        index_of = {key: index for index, key in enumerate(keys)}
+        kept = list(index_of)[max(len(index_of) - self.maxsize, 0) :]
+        if not kept:
+            return
+        for key in kept:
+            self._drop(key)
+        while len(self._entries) + len(kept) > self.maxsize:
+            self._drop(next(iter(self._entries)))
+        if len(kept) < len(keys) or list(index_of.values()) != list(range(len(keys))):
+            values = values[[index_of[key] for key in kept]]
+        device = values.device
+        stored = values.to("cpu") if self.move_to_cpu else values
+        pool_key = (stored.shape[1:], stored.dtype, stored.device)
+        pool = self._pools.get(pool_key)
+        if pool is None:
+            pool = self._pools[pool_key] = _RowPool(stored, len(kept))
+        for key, slot in zip(kept, pool.put(stored, self.maxsize), strict=True):
+            self._entries[key] = (pool, slot, device)
+
     def clear(self) -> None:
-        """Remove every entry."""
+        """Remove every entry (and free their memory)."""
         self._entries.clear()
+        self._pools.clear()
 
     def remove_if(self, predicate: Callable[[Hashable], bool]) -> int:
         """Remove the entries whose key satisfies `predicate`.
@@ -76,8 +136,13 @@ class OutputCache:
         """
         doomed = [key for key in self._entries if predicate(key)]
         for key in doomed:
-            del self._entries[key]
+            self._drop(key)
         return len(doomed)
+
+    def _drop(self, key: Hashable) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry[0].free.append(entry[1])
 
 
 class _Block:

@@ -165,6 +165,51 @@ async def test_lockstep_particles_reuse_the_previous_batch_and_match_uncached(lm
     assert len(gathers) < steps - 1
 
 
+async def test_lockstep_rows_join_the_tree_when_no_batch_continues_them(lm):
+    # A lockstep step keeps its rows in the batch buffer, outside the tree; rows that the
+    # next batch drops (resampled away) and, at `walk_cache`, the rest are inserted then.
+    prompt = random_ids(16, 12)
+    a, b, c = prompt + [1], prompt + [2], prompt + [3]
+    await asyncio.gather(*(lm.next_token_logprobs(p) for p in (a, b, c)))
+    await asyncio.gather(*(lm.next_token_logprobs(p) for p in (a + [4], a + [5], b + [6])))
+    # `c` was dropped: its key/values are in the tree although no walk has happened yet.
+    assert lm.kv_cache.match(c).length == len(c)
+    assert lm.kv_cache.match(a + [4]).length < len(a) + 1
+    node, index, past, base = lm.walk_cache(a + [4, 7])
+    assert index == base == len(a) + 1
+    # The inserted key/values are those of a plain forward pass with transformers' cache.
+    for context in (c, a + [4], b + [6]):
+        found = lm.kv_cache.match(context)
+        with torch.no_grad():
+            ids = torch.tensor([context], device=lm.model.device)
+            cache = lm.model(ids, use_cache=True).past_key_values
+        expected = torch.stack(
+            [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
+        )
+        assert found.length == len(context)
+        torch.testing.assert_close(
+            found.key_values(), expected, rtol=0, atol=on(expected, TINY_ATOL)
+        )
+    assert_exact(lm, a + [4, 7], await lm.next_token_logprobs(a + [4, 7]))
+
+
+async def test_a_batch_split_in_two_passes_keeps_every_row(lm):
+    # One long and five short contexts run in two passes (padding would more than double
+    # the work); neither pass's rows may be lost or overwritten by the other's buffer.
+    contexts = [random_ids(17, 60)] + [random_ids(18 + i, 2) for i in range(5)]
+    counter = RowCounter(lm)
+    try:
+        await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+    finally:
+        counter.close()
+    assert len(counter.shapes) == 2
+    assert all(lm.kv_cache.match(c).length == len(c) for c in contexts)
+    longer = [c + [1] for c in contexts]
+    results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in longer))
+    for context, result in zip(longer, results, strict=True):
+        assert_exact(lm, context, result)
+
+
 async def test_tiny_budget_evicts_and_stays_exact(shared_lm):
     probe = AsyncTransformer(shared_lm.model, shared_lm.tokenizer)
     probe.cache_kv(random_ids(7, 10))
@@ -478,6 +523,7 @@ async def test_replacing_and_removing_adapters(lora_setup, lora_lm):
     torch.testing.assert_close(
         new, reference_logprobs(merged["b"], context), rtol=0, atol=on(new, TINY_ATOL)
     )
+    lora_lm.cache_kv(context, lora_name="a")  # its key/values join the tree now
     before = lora_lm.kv_cache.nbytes
     lora_lm.set_lora(lora_name="a")
     lora_lm.remove_lora("a")

@@ -10,13 +10,16 @@ One evaluation of a batch of queries is one forward pass:
    every token its true position, so rows with different past lengths share
    the pass (RoPE and learned position embeddings alike).
 3. The model writes the new tokens' keys/values in place into that buffer
-   (`hf_batch.BatchLayer`), and they are inserted into the tree as children of the
-   matched prefixes; the logits of each row's last token become its result.
+   (`hf_batch.BatchLayer`); the logits of each row's last token become its
+   result, and the results are copied into the `OutputCache` in one operation.
+4. A batch without padding keeps its buffer for the next one (`KVWorkspace`
+   in `hf_batch`); other batches insert their new key/values into the tree.
 
-A sampler's next step usually extends every row of the batch before by a
-token: then the new buffer is built from the previous one (`KVWorkspace.recall`
-in `hf_batch`) instead of from the tree, with no copy at all when the rows are
-the same and in the same order (the new tokens go into the buffer's spare slots).
+A sampler's next step extends every row of the batch before by the same number
+of tokens: it runs in the previous buffer (one copy per row after resampling,
+none otherwise: the new tokens go into spare slots) without touching the tree.
+Rows no batch continues are inserted into the tree (`_spill`), so the tree
+holds every evaluated context except those of the last batch.
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ class AsyncTransformer(AsyncLM):
     `timeout`); each batch is one forward pass over the tokens that no cached
     prefix covers. Key/values of every evaluated context are kept in a radix
     tree bounded by `kv_cache_bytes` (least recently used, unlocked entries are
-    evicted first); results are kept in an `OutputCache` of `cache_size` entries.
+    evicted first; a sampler's last step stays in the batch buffer until a
+    batch does not continue it); results are kept in an `OutputCache` of
+    `cache_size` entries.
     Results agree with `next_token_logprobs_uncached` (a plain forward pass).
 
     Args:
@@ -292,7 +297,9 @@ class AsyncTransformer(AsyncLM):
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        self.next_token_logprobs_sync(prompt_tokens, lora_name=lora_name)
+        with self._model_lock:
+            self.next_token_logprobs_sync(prompt_tokens, lora_name=lora_name)
+            self._spill()
 
     def walk_cache(
         self, token_ids: Sequence[int]
@@ -310,7 +317,9 @@ class AsyncTransformer(AsyncLM):
             `None` when nothing matched) and the index where that state ends.
             Every cached token carries key/values, so `next_token_index == base`.
         """
-        found = self.kv_cache.match(token_ids, self.loras.active)
+        with self._model_lock:
+            self._spill()
+            found = self.kv_cache.match(token_ids, self.loras.active)
         return found.node, found.length, found if found.length else None, found.length
 
     def add_query(self, query: Query, future: asyncio.Future, past: PrefixMatch | None) -> None:
@@ -446,21 +455,88 @@ class AsyncTransformer(AsyncLM):
                 todo.setdefault(query.adapter, []).append(i)
         with torch.no_grad():
             for adapter, indices in todo.items():
-                pasts = [self._longest_past(queries[i]) for i in indices]
-                for past in pasts:
-                    self.kv_cache.lock(past.node)
-                try:
-                    for group in self._plan(indices, pasts, queries):
-                        rows = self._run(
-                            adapter, [queries[indices[g]] for g in group], [pasts[g] for g in group]
-                        )
-                        for g, row in zip(group, rows, strict=True):
-                            results[indices[g]] = row
-                            self.output_cache[queries[indices[g]].key] = row
-                finally:
-                    for past in pasts:
-                        self.kv_cache.unlock(past.node)
+                batch = [queries[i] for i in indices]
+                found = self._continue_last(adapter, batch)
+                if found is None:
+                    self._spill()
+                    found = self._evaluate_from_tree(adapter, batch)
+                rows, order = found  # rows[k] answers batch[order[k]]
+                self.output_cache.store_rows([batch[k].key for k in order], rows)
+                for k, row in zip(order, rows.unbind(0), strict=True):
+                    results[indices[k]] = row  # a view of this batch's own tensor
         return results
+
+    def _continue_last(
+        self, adapter: str | None, queries: list[Query]
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """Run `queries` in the last batch's buffer if each extends one of its rows equally.
+
+        This is a sampler's step: no tree lookup, and the buffer's rows join the
+        tree only when a batch does not continue them (`_spill`). Returns the
+        results and the query of each row, or `None` when the queries do not fit.
+        """
+        contexts = [query.token_ids for query in queries]
+        found = self._workspace.extension(adapter, contexts)
+        if found is None:
+            return None
+        storage, sources, length = found
+        n_new = len(contexts[0]) - length
+        if any(len(context) - length != n_new for context in contexts):
+            return None
+        self._spill(keep=set(sources))  # the rows no query continues
+        order = sorted(range(len(queries)), key=sources.__getitem__)
+        rows = self._run(
+            adapter,
+            [queries[i] for i in order],
+            [length] * len(queries),
+            None,
+            (storage, [sources[i] for i in order]),
+        )
+        return rows, order
+
+    def _evaluate_from_tree(
+        self, adapter: str | None, queries: list[Query]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run `queries` on the longest cached prefixes of their contexts in the tree.
+
+        Returns the results and the query of each row.
+        """
+        pasts = [self._longest_past(query) for query in queries]
+        for past in pasts:
+            self.kv_cache.lock(past.node)
+        try:
+            groups = self._plan(pasts, queries)
+            outputs = [
+                self._run(
+                    adapter,
+                    [queries[g] for g in group],
+                    [pasts[g].length for g in group],
+                    [pasts[g].segments for g in group],
+                    None,
+                    only_batch=len(groups) == 1,
+                )
+                for group in groups
+            ]
+        finally:
+            for past in pasts:
+                self.kv_cache.unlock(past.node)
+        rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return rows, [g for group in groups for g in group]
+
+    def _spill(self, keep: set[int] = frozenset()) -> None:
+        """Insert the last batch's rows (but those in `keep`) into the tree.
+
+        The batch is forgotten when nothing is kept.
+        """
+        last = self._workspace.last
+        if last is None:
+            return
+        adapter, rows, length, storage = last
+        for context, row in rows.items():
+            if row not in keep:
+                self.kv_cache.insert(context, 0, storage[:, :, row, :, :length], adapter)
+        if not keep:
+            self._workspace.forget()
 
     def _longest_past(self, query: Query) -> PrefixMatch:
         # At least one token must run: its logits are the result.
@@ -470,13 +546,11 @@ class AsyncTransformer(AsyncLM):
             return PrefixMatch(found.node, given.length, given.node_tokens, given.segments)
         return found
 
-    def _plan(
-        self, indices: list[int], pasts: list[PrefixMatch], queries: list[Query]
-    ) -> list[list[int]]:
+    def _plan(self, pasts: list[PrefixMatch], queries: list[Query]) -> list[list[int]]:
         """Split a batch into sub-batches in which padding at most about doubles the work."""
         sizes = [
-            (len(queries[i].token_ids) - past.length, past.length)
-            for i, past in zip(indices, pasts, strict=True)
+            (len(query.token_ids) - past.length, past.length)
+            for query, past in zip(queries, pasts, strict=True)
         ]
         groups: list[list[int]] = []
         max_past = real_new = real_all = 0  # of the last group
@@ -497,29 +571,52 @@ class AsyncTransformer(AsyncLM):
             groups.append([g])
             max_past, real_new, real_all = past, new, new + past
         for group in groups:  # rows with common prefixes side by side (see `BatchKV`)
-            group.sort(key=lambda g: queries[indices[g]].token_ids)
+            group.sort(key=lambda g: queries[g].token_ids)
         return groups
 
     def _run(
-        self, adapter: str | None, queries: list[Query], pasts: list[PrefixMatch]
-    ) -> list[torch.Tensor]:
-        """One forward pass over the uncached tokens of `queries`; caches their key/values."""
-        new_tokens = [
-            query.token_ids[past.length :] for query, past in zip(queries, pasts, strict=True)
-        ]
-        past_list = [past.length for past in pasts]
+        self,
+        adapter: str | None,
+        queries: list[Query],
+        past_list: list[int],
+        segments: list[tuple[torch.Tensor, ...]] | None,
+        previous: tuple[torch.Tensor, list[int]] | None,
+        only_batch: bool = True,
+    ) -> torch.Tensor:
+        """One forward pass over the tokens of `queries` after their pasts; keeps the key/values.
+
+        Args:
+            adapter: The adapter of every query.
+            queries: The queries, one row each.
+            past_list: Tokens of each query whose key/values are at hand.
+            segments: Those key/values, as tree segments (`None` with `previous`).
+            previous: The last batch's storage and each row's source row in it.
+            only_batch: No other pass runs before the next batch: an unpadded
+                batch's buffer is remembered for it, its rows join the tree later.
+
+        Returns:
+            The results, one row per query (this batch's own tensor).
+        """
+        contexts = [query.token_ids for query in queries]
+        new_tokens = [ids[past:] for ids, past in zip(contexts, past_list, strict=True)]
         new_list = [len(tokens) for tokens in new_tokens]
         past_length, n_new = max(past_list), max(new_list)
         uniform = min(new_list) == n_new  # every row's last token in the last column
         aligned = uniform and min(past_list) == past_length  # no padding slot anywhere
 
-        input_ids = torch.tensor([tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens])
-        past_lengths = torch.tensor(past_list)
-        position_ids = past_lengths[:, None] + torch.arange(n_new)
-        if self._max_length is not None:
-            position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
         inputs: dict[str, Any] = {}
-        if not aligned:  # without a mask the model attends to every slot, causally
+        if aligned:  # without a mask the model attends to every slot, causally
+            input_ids = torch.tensor(new_tokens)
+            positions = torch.arange(past_length, past_length + n_new)
+            position_ids = positions.expand(len(queries), n_new)
+        else:
+            input_ids = torch.tensor(
+                [tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens]
+            )
+            past_lengths = torch.tensor(past_list)
+            position_ids = past_lengths[:, None] + torch.arange(n_new)
+            if self._max_length is not None:
+                position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
             new_lengths = torch.tensor(new_list)
             slots = torch.arange(past_length + n_new)
             attention_mask = (slots < past_lengths[:, None]) | (
@@ -535,15 +632,7 @@ class AsyncTransformer(AsyncLM):
                 kept, last_columns = torch.unique(last_columns, return_inverse=True)
                 inputs["logits_to_keep"] = kept.to(self._device)
 
-        contexts = [query.token_ids for query in queries]
-        batch = BatchKV(
-            [past.segments for past in pasts],
-            past_length,
-            n_new,
-            self._n_layers,
-            self._workspace,
-            self._workspace.recall(adapter, contexts, past_list),
-        )
+        batch = BatchKV(segments, past_length, n_new, self._n_layers, self._workspace, previous)
         output = self._call_model(
             adapter,
             input_ids=input_ids.to(self._device),
@@ -557,18 +646,19 @@ class AsyncTransformer(AsyncLM):
         else:
             rows = torch.arange(len(queries))
             logits = output.logits[rows, last_columns.to(output.logits.device)]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logits = logits.float()
+        # In place on the CPU (exact there; the CPU kernel reads a row before writing it):
+        # a second fresh tensor per step would cost as much in page faults as the work.
+        logprobs = torch.log_softmax(logits, dim=-1, out=logits if logits.is_cpu else None)
 
         if batch.buffer is not None:
-            for row, (query, past) in enumerate(zip(queries, pasts, strict=True)):
-                new_kv = batch.buffer[
-                    :, :, row, :, past_length : past_length + len(new_tokens[row])
-                ]
-                self.kv_cache.insert(query.token_ids, past.length, new_kv, adapter)
-            if aligned:
+            if aligned and only_batch:
                 self._workspace.remember(adapter, contexts, batch.storage)
-        # Rows of this batch's own tensor: the output cache keeps copies of them.
-        return list(logprobs.unbind(0))
+            else:
+                for row, (ids, past) in enumerate(zip(contexts, past_list, strict=True)):
+                    new_kv = batch.buffer[:, :, row, :, past_length : past_length + new_list[row]]
+                    self.kv_cache.insert(ids, past, new_kv, adapter)
+        return logprobs
 
 
 def _has_sliding_window(config: Any) -> bool:

@@ -86,8 +86,9 @@ class BatchKV:
             like.device,
         ):
             return None
-        if sources == list(range(old.shape[2])) and old.shape[-2] >= shape[-2]:
-            return old  # every row extends itself: the new tokens go into spare slots
+        if sources == list(range(len(sources))) and old.shape[-2] >= shape[-2]:
+            # Row i extends row i: the new tokens go into spare slots (rows past the last unused).
+            return old.narrow(2, 0, len(sources))
         storage = self.workspace.take(shape, like)
         for row, source in enumerate(sources):
             storage[:, :, row, :, : self.past_length].copy_(
@@ -130,19 +131,24 @@ class KVWorkspace:
     step, which costs about as much as filling it. Two storages are kept (each
     the largest so far, with spare slots) and batches alternate between them,
     so that a batch can be built from the last one's buffer: `remember` keeps
-    the last unpadded batch's storage and contexts, `recall` tells the next
-    batch which of its rows hold the whole prefix of each new row. Its rows
-    hold the same values as the tree (they were inserted from it or into it).
+    the last unpadded batch's storage and contexts; `extension` and `recall`
+    tell the next batch which of its rows hold the whole prefix of each new
+    row. The transformers backend inserts a remembered batch's rows into its
+    tree only once a batch does not continue them; the MLX backend has
+    inserted them already.
     """
 
     def __init__(self) -> None:
         self._flats: list[torch.Tensor | None] = [None, None]
         self._current = 0
-        self._last: tuple[Hashable, dict[tuple[int, ...], int], int, torch.Tensor] | None = None
+        self._last: tuple[Hashable, dict[tuple[int, ...], int], int, Any] | None = None
+        self._last_flat = 0
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """A storage for a buffer of `shape` with spare slots (dimension -2), not the last one's."""
         self._current = 1 - self._current
+        if self._last is not None and self._last_flat == self._current:
+            self._last = None  # a second buffer since the last batch: it reuses that one's memory
         per_slot = math.prod(shape) // shape[-2]
         flat = self._flats[self._current]
         if (
@@ -162,24 +168,44 @@ class KVWorkspace:
         """Keep `storage` of a batch without padding, whose rows hold all of `contexts`."""
         rows = {context: row for row, context in enumerate(contexts)}
         self._last = (adapter, rows, len(contexts[0]), storage)
+        self._last_flat = self._current
+
+    @property
+    def last(self) -> tuple[Hashable, dict[tuple[int, ...], int], int, Any] | None:
+        """The remembered batch: adapter, row of each context, context length, storage."""
+        return self._last
+
+    def extension(
+        self, adapter: Hashable, contexts: list[tuple[int, ...]]
+    ) -> tuple[Any, list[int], int] | None:
+        """The last storage, the row of it each context extends, and that row's length.
+
+        `None` unless every context is a context of the last batch (of the same
+        adapter) followed by at least one token. Nothing is forgotten.
+        """
+        last = self._last
+        if last is None or last[0] != adapter:
+            return None
+        _, rows, length, storage = last
+        sources = [
+            rows.get(context[:length]) if len(context) > length else None for context in contexts
+        ]
+        return None if None in sources else (storage, sources, length)
 
     def recall(
         self, adapter: Hashable, contexts: list[tuple[int, ...]], past_lengths: list[int]
-    ) -> tuple[torch.Tensor, list[int]] | None:
+    ) -> tuple[Any, list[int]] | None:
         """The last storage and, per context, its row holding the context's past.
 
         `None` unless every context's past is exactly a context of the last batch
         (of the same adapter). The last batch is forgotten either way: the new
         batch may overwrite its storage.
         """
-        last, self._last = self._last, None
-        if last is None or last[0] != adapter:
+        found = self.extension(adapter, contexts)
+        self._last = None
+        if found is None or any(past != found[2] for past in past_lengths):
             return None
-        _, rows, length, storage = last
-        if any(past != length for past in past_lengths):
-            return None
-        sources = [rows.get(context[:length]) for context in contexts]
-        return None if None in sources else (storage, sources)
+        return found[0], found[1]
 
     def forget(self) -> None:
         """Drop the last batch's record (its storage stays for reuse)."""

@@ -158,4 +158,7 @@ def test_stored_rows_reuse_the_memory_of_evicted_ones():
     cache[(7,)] = torch.zeros(5)  # another shape has its own rows
     assert torch.equal(cache[(7,)], torch.zeros(5)) and len(cache) == 8
     cache.clear()
-    assert len(cache) == 0 and not cache._pools
+    assert len(cache) == 0 and (49, 2) not in cache
+    cache.store_rows([(1,), (2,)], torch.stack([tensor(1), tensor(2)]))  # into the kept memory
+    assert sum(pool.rows.shape[0] for pool in cache._pools.values()) == held + 1
+    assert torch.equal(cache[(2,)], tensor(2)) and len(cache) == 2

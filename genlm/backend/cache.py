@@ -121,9 +121,15 @@ class OutputCache:
             self._entries[key] = (pool, slot, device)
 
     def clear(self) -> None:
-        """Remove every entry (and free their memory)."""
+        """Remove every entry.
+
+        The memory of the stored rows is kept for the next entries (it holds
+        at most `maxsize` rows per row shape): memory used for the first time
+        costs a page fault per page, about as much as the copy itself.
+        """
+        for pool, slot, _ in self._entries.values():
+            pool.free.append(slot)
         self._entries.clear()
-        self._pools.clear()
 
     def remove_if(self, predicate: Callable[[Hashable], bool]) -> int:
         """Remove the entries whose key satisfies `predicate`.

@@ -193,6 +193,31 @@ async def test_lockstep_rows_join_the_tree_when_no_batch_continues_them(lm):
     assert_exact(lm, a + [4, 7], await lm.next_token_logprobs(a + [4, 7]))
 
 
+async def test_a_step_that_fails_mid_pass_leaves_the_last_batch_usable(lm):
+    # The failure comes after the new buffer was taken (the output layer runs last);
+    # retrying the resampled step must not build the buffer over the one it copies from.
+    prompt = random_ids(19, 10)
+    particles = [prompt + [i] for i in range(4)]
+    await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+    step = [particles[a] + [5 + i] for i, a in enumerate([0, 0, 1, 1])]
+
+    def fail(module, args, output):
+        raise RuntimeError("injected failure")
+
+    handle = lm.model.get_output_embeddings().register_forward_hook(fail)
+    try:
+        failed = await asyncio.gather(
+            *(lm.next_token_logprobs(p) for p in step), return_exceptions=True
+        )
+    finally:
+        handle.remove()
+    assert all(isinstance(error, RuntimeError) for error in failed)
+    for contexts in (step, [step[a] + [9 + i] for i, a in enumerate([3, 2, 2, 0])]):
+        results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in contexts))
+        for context, result in zip(contexts, results, strict=True):
+            assert_exact(lm, context, result)
+
+
 async def test_a_batch_split_in_two_passes_keeps_every_row(lm):
     # One long and five short contexts run in two passes (padding would more than double
     # the work); neither pass's rows may be lost or overwritten by the other's buffer.

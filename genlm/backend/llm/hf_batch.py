@@ -142,13 +142,14 @@ class KVWorkspace:
         self._flats: list[torch.Tensor | None] = [None, None]
         self._current = 0
         self._last: tuple[Hashable, dict[tuple[int, ...], int], int, Any] | None = None
-        self._last_flat = 0
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        """A storage for a buffer of `shape` with spare slots (dimension -2), not the last one's."""
-        self._current = 1 - self._current
-        if self._last is not None and self._last_flat == self._current:
-            self._last = None  # a second buffer since the last batch: it reuses that one's memory
+        """A storage for a buffer of `shape` with spare slots (dimension -2).
+
+        Never the remembered batch's memory (which the new buffer may be built from).
+        """
+        held = self._flat_holding_last()
+        self._current = 1 - (self._current if held is None else held)
         per_slot = math.prod(shape) // shape[-2]
         flat = self._flats[self._current]
         if (
@@ -168,7 +169,6 @@ class KVWorkspace:
         """Keep `storage` of a batch without padding, whose rows hold all of `contexts`."""
         rows = {context: row for row, context in enumerate(contexts)}
         self._last = (adapter, rows, len(contexts[0]), storage)
-        self._last_flat = self._current
 
     @property
     def last(self) -> tuple[Hashable, dict[tuple[int, ...], int], int, Any] | None:
@@ -206,6 +206,16 @@ class KVWorkspace:
         if found is None or any(past != found[2] for past in past_lengths):
             return None
         return found[0], found[1]
+
+    def _flat_holding_last(self) -> int | None:
+        """Which of the two storages holds the remembered batch (`None`: neither)."""
+        if self._last is None or not isinstance(self._last[3], torch.Tensor):
+            return None
+        address = self._last[3].untyped_storage().data_ptr()
+        for index, flat in enumerate(self._flats):
+            if flat is not None and flat.untyped_storage().data_ptr() == address:
+                return index
+        return None
 
     def forget(self) -> None:
         """Drop the last batch's record (its storage stays for reuse)."""

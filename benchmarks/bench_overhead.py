@@ -16,7 +16,9 @@ Backends and their floors, in the same process:
   the same engine). The prefix cache is reset before every run of either.
 
 Each backend runs twice: with its default `batch_size`/`timeout` and with
-`batch_size=N`. A step's time runs from the start of its first call (model call,
+`batch_size=N`; `AsyncTransformer` a third time with `batch_size=N` and its
+output cache off (`no cache`), which shows what keeping a private copy of
+every result costs. A step's time runs from the start of its first call (model call,
 `generate`, or first `next_token_logprobs` of the step) to the next step's;
 step 0 (the prefill) and the last step (no next start) are left out. Printed
 per (model, backend, N): the median per-step wall time (median over steps, then
@@ -202,16 +204,33 @@ class Runner:
         return step_costs(engine.stamps)
 
     def backend(
-        self, trace: Trace, n: int, steps: int, batch_size: int, counts: Counter | None = None
+        self,
+        trace: Trace,
+        n: int,
+        steps: int,
+        batch_size: int,
+        counts: Counter | None = None,
+        keep_results: bool = True,
     ) -> list[Stamp]:
-        """Per-step costs of the SMC loop through `next_token_logprobs`."""
+        """Per-step costs of the SMC loop through `next_token_logprobs`.
+
+        `keep_results=False` turns `AsyncTransformer`'s output cache off for the run.
+        """
         clock = clock_for(counts)
         self.lm.batch_size = batch_size
         if self.is_vllm:
             self.lm.llm_engine.reset_prefix_cache()
+        else:
+            maxsize, self.lm.output_cache.maxsize = self.lm.output_cache.maxsize, 0
+            if keep_results:
+                self.lm.output_cache.maxsize = maxsize
         lm = Stamped(self.lm, "next_token_logprobs", n, clock)
-        with counting(counts, self.engine_thread):
-            run_backend(lm, trace, n, steps, use_cache_kv=False)
+        try:
+            with counting(counts, self.engine_thread):
+                run_backend(lm, trace, n, steps, use_cache_kv=False)
+        finally:
+            if not self.is_vllm:
+                self.lm.output_cache.maxsize = maxsize
         return step_costs(lm.stamps)
 
     def ops_per_step(self, run: Callable[[Counter], list[Stamp]]) -> str:
@@ -224,27 +243,34 @@ class Runner:
 def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeats: int) -> None:
     """Time floor and backend (both batch settings) and print their rows."""
     default = runner.lm.batch_size
-    settings = {"floor": None, f"bs={default} (default)": default, f"bs={n}": n}
+    # Name -> (batch_size, keep results in the output cache), None for the floor.
+    settings: dict[str, tuple[int, bool] | None] = {
+        "floor": None,
+        f"bs={default} (default)": (default, True),
+        f"bs={n}": (n, True),
+    }
+    if not runner.is_vllm:  # what the output cache's private copies cost
+        settings[f"bs={n}, no cache"] = (n, False)
 
-    def once(batch_size: int | None, counts: Counter | None = None) -> list[Stamp]:
-        if batch_size is None:
+    def once(setting: tuple[int, bool] | None, counts: Counter | None = None) -> list[Stamp]:
+        if setting is None:
             return runner.floor(trace, n, steps, counts)
-        return runner.backend(trace, n, steps, batch_size, counts)
+        return runner.backend(trace, n, steps, setting[0], counts, setting[1])
 
-    for batch_size in settings.values():  # untimed warm-up
-        once(batch_size)
+    for setting in settings.values():  # untimed warm-up
+        once(setting)
     # Per run: median wall, mean wall, median CPU seconds per step.
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
     for _ in range(repeats):
-        for name, batch_size in settings.items():
-            costs = once(batch_size)
+        for name, setting in settings.items():
+            costs = once(setting)
             wall = [cost[0] for cost in costs]
             runs[name].append(
                 (statistics.median(wall), statistics.fmean(wall), median_of(costs, 1))
             )
     ops = {
-        name: runner.ops_per_step(lambda c, b=batch_size: once(b, c))
-        for name, batch_size in settings.items()
+        name: runner.ops_per_step(lambda c, s=setting: once(s, c))
+        for name, setting in settings.items()
     }
     runner.lm.batch_size = default
 

@@ -50,7 +50,8 @@ class GlobalLogprobsCapture:
     def __init__(self):
         self._lock = threading.Lock()
         self._slot_tags: dict[int, Hashable] = {}
-        self._rows_by_tag: dict[Hashable, torch.Tensor] = {}
+        # The latest row of each tagged request: (the step's log-softmax, row index).
+        self._rows_by_tag: dict[Hashable, tuple[torch.Tensor, int]] = {}
         self._latest: torch.Tensor | None = None
 
     def is_argmax_invariant(self) -> bool:
@@ -102,7 +103,7 @@ class GlobalLogprobsCapture:
             self._latest = logprobs
             for index, tag in self._slot_tags.items():
                 if index < logprobs.shape[0]:
-                    self._rows_by_tag[tag] = logprobs[index]
+                    self._rows_by_tag[tag] = (logprobs, index)
         return logits
 
     def get_logprobs(self, batch_index: int = 0) -> torch.Tensor:
@@ -148,13 +149,27 @@ class GlobalLogprobsCapture:
                 capture is not wired into the engine's sampler.
         """
         with self._lock:
-            rows = [self._rows_by_tag.pop(tag, None) for tag in tags]
-        missing = sum(row is None for row in rows)
+            found = [self._rows_by_tag.pop(tag, None) for tag in tags]
+        missing = sum(row is None for row in found)
         if missing and strict:
             raise RuntimeError(
                 hook_error(f"no logits were recorded for {missing} of {len(tags)} requests")
             )
-        return [row.clone() for row in rows if row is not None]
+        # One copy per recorded step (usually one for all tags), not one per row: the
+        # rows are views of a tensor of their own, which nothing else holds.
+        by_step: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for position, row in enumerate(found):
+            if row is not None:
+                step, index = row
+                entry = by_step.setdefault(id(step), (step, [], []))
+                entry[1].append(position)
+                entry[2].append(index)
+        rows: list[torch.Tensor | None] = [None] * len(found)
+        for step, positions, indices in by_step.values():
+            picked = step.index_select(0, torch.tensor(indices, device=step.device))
+            for position, row in zip(positions, picked.unbind(0), strict=True):
+                rows[position] = row
+        return [row for row in rows if row is not None]
 
     def clear(self) -> None:
         """Forget every recorded row."""

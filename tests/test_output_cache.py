@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -162,3 +164,32 @@ def test_stored_rows_reuse_the_memory_of_evicted_ones():
     cache.store_rows([(1,), (2,)], torch.stack([tensor(1), tensor(2)]))  # into the kept memory
     assert sum(pool.rows.shape[0] for pool in cache._pools.values()) == held + 1
     assert torch.equal(cache[(2,)], tensor(2)) and len(cache) == 2
+
+
+def test_readers_in_other_threads_never_see_a_reused_slot():
+    # A reader copying an entry while a writer in another thread evicts it and reuses its
+    # slot would get the new entry's values. Rows are large so that copies take a while.
+    cache = OutputCache(maxsize=4)
+    width, batches = 1 << 20, 150
+    done = threading.Event()
+    wrong = []
+
+    def write():
+        for batch in range(batches):
+            keys = [(batch, i) for i in range(2)]
+            cache.store_rows(keys, torch.full((2, width), float(batch)))
+        done.set()
+
+    def read():
+        while not done.is_set():
+            for key in list(cache._entries):
+                value = cache.get(key)
+                if value is not None and not bool((value == float(key[0])).all()):
+                    wrong.append(key)
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ class OutputCache:
     returns a new copy, so a caller that changes a tensor in place changes
     nothing in the cache. Entries of one shape share one growing tensor (a
     slot each), so a batch's results (`store_rows`) are stored in one copy
-    into memory that earlier entries used.
+    into memory that earlier entries used. Thread-safe.
 
     Args:
         maxsize: Most entries kept; the least recently used is evicted first.
@@ -74,11 +75,13 @@ class OutputCache:
         self.move_to_cpu = move_to_cpu
         self._entries: OrderedDict[Hashable, tuple[_RowPool, int, torch.device]] = OrderedDict()
         self._pools: dict[tuple, _RowPool] = {}
+        self._lock = threading.Lock()  # callers in several threads (each with its loop)
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
-        pool, slot, device = self._entries[key]
-        self._entries.move_to_end(key)
-        return pool.rows[slot].to(device, copy=True)
+        value = self.get(key)
+        if value is None:
+            raise KeyError(key)
+        return value
 
     def __setitem__(self, key: Hashable, value: torch.Tensor) -> None:
         self.store_rows([key], value.unsqueeze(0))
@@ -91,7 +94,13 @@ class OutputCache:
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         """Return the entry for `key` (marking it recently used), or `None`."""
-        return self[key] if key in self._entries else None
+        with self._lock:  # the slot must not be reused while it is copied
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            pool, slot, device = entry
+            return pool.rows[slot].to(device, copy=True)
 
     def store_rows(self, keys: Sequence[Hashable], values: torch.Tensor) -> None:
         """Store `values[i]` under `keys[i]` for every `i`, in one copy.
@@ -103,14 +112,17 @@ class OutputCache:
         """
         index_of = {key: index for index, key in enumerate(keys)}
         kept = list(index_of)[max(len(index_of) - self.maxsize, 0) :]
-        if not kept:
-            return
+        if kept:
+            with self._lock:
+                self._store(kept, [index_of[key] for key in kept], values)
+
+    def _store(self, kept: list[Hashable], indices: list[int], values: torch.Tensor) -> None:
         for key in kept:
             self._drop(key)
         while len(self._entries) + len(kept) > self.maxsize:
             self._drop(next(iter(self._entries)))
-        if len(kept) < len(keys) or list(index_of.values()) != list(range(len(keys))):
-            values = values[[index_of[key] for key in kept]]
+        if indices != list(range(values.shape[0])):
+            values = values[indices]
         device = values.device
         stored = values.to("cpu") if self.move_to_cpu else values
         pool_key = (stored.shape[1:], stored.dtype, stored.device)
@@ -127,9 +139,10 @@ class OutputCache:
         at most `maxsize` rows per row shape): memory used for the first time
         costs a page fault per page, about as much as the copy itself.
         """
-        for pool, slot, _ in self._entries.values():
-            pool.free.append(slot)
-        self._entries.clear()
+        with self._lock:
+            for pool, slot, _ in self._entries.values():
+                pool.free.append(slot)
+            self._entries.clear()
 
     def remove_if(self, predicate: Callable[[Hashable], bool]) -> int:
         """Remove the entries whose key satisfies `predicate`.
@@ -140,9 +153,10 @@ class OutputCache:
         Returns:
             Number of entries removed.
         """
-        doomed = [key for key in self._entries if predicate(key)]
-        for key in doomed:
-            self._drop(key)
+        with self._lock:
+            doomed = [key for key in self._entries if predicate(key)]
+            for key in doomed:
+                self._drop(key)
         return len(doomed)
 
     def _drop(self, key: Hashable) -> None:

@@ -28,6 +28,7 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Hashable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -523,7 +524,7 @@ class AsyncTransformer(AsyncLM):
         rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return rows, [g for group in groups for g in group]
 
-    def _spill(self, keep: set[int] = frozenset()) -> None:
+    def _spill(self, keep: AbstractSet[int] = frozenset()) -> None:
         """Insert the last batch's rows (but those in `keep`) into the tree.
 
         The batch is forgotten when nothing is kept.

@@ -19,9 +19,8 @@ class Token(bytes):
     although the two hash differently: do not mix `Token`s and plain bytes as
     keys of one dict or set).
 
-    Args:
-        token_id: The id of the token in its vocabulary.
-        byte_string: The exact bytes the token contributes to decoded text.
+    `Token(token_id, byte_string)` takes the id of the token in its vocabulary
+    and the exact bytes the token contributes to decoded text.
 
     Raises:
         TypeError: If `token_id` is not an int or `byte_string` is not bytes.

@@ -22,6 +22,12 @@ caller that drops each result before the next call (as a sampler does), whose
 memory the trie reuses; the "kept" line shows a caller that keeps every result.
 On a machine whose cores are shared with other busy processes, wall-clock figures
 are inflated; the process CPU time printed next to them shows the work itself.
+
+Last, the device path of `ParallelTokenCharacterTrie` (the code CUDA runs: a sparse
+product for sums, a gather and two segmented maxima for maxima) against the numpy path,
+with the number of torch operators each call dispatches: on the CPU, forced there
+as the tests do (slower than numpy there, which is why the class runs numpy on the
+CPU), and on CUDA when available. `--device-path-only` runs only that part.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ import gc
 import statistics
 import time
 import tracemalloc
+from functools import partial
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer
 
 from genlm.backend import (
@@ -128,7 +136,8 @@ def structure_bytes(make, vocab) -> int:
     gc.collect()
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    extra = trie._torch_plan.nbytes() if hasattr(trie, "_torch_plan") else 0
+    node_items = getattr(trie, "_node_items", None)
+    extra = node_items.nbytes() if node_items is not None else 0
     return held + extra
 
 
@@ -209,6 +218,78 @@ def bench_class(name, make, vocab, probs, logprobs, reference, repeats) -> None:
     print(f"  structure memory             {memory / 2**20:9.1f} MiB (children dicts, maps, plan)")
 
 
+class TorchPathTrie(ParallelTokenCharacterTrie):
+    """`ParallelTokenCharacterTrie`'s device path (the code CUDA runs), forced onto the CPU."""
+
+    def _on_cpu(self) -> bool:
+        return False
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the torch operators dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_call(function) -> int:
+    """Torch operators one call of `function()` dispatches (after one uncounted call)."""
+    function()
+    with OpCount() as count:
+        function()
+    return count.ops
+
+
+def bench_device_path(vocab, probs, logprobs, repeats, device: str) -> None:
+    """The device path of `ParallelTokenCharacterTrie` against the numpy path.
+
+    On `"cpu"` the device path is forced onto the CPU (as the tests do); the numpy
+    path is `TokenCharacterTrie` with the same weights on the CPU. Medians of
+    wall-clock time (process CPU time in parentheses); on CUDA each call ends with
+    the copy of its result to the host.
+    """
+    make = TorchPathTrie if device == "cpu" else ParallelTokenCharacterTrie
+    builds = (
+        median_ms(lambda: TokenCharacterTrie(vocab), 3),
+        median_ms(lambda: make(vocab, device=device), 3),
+    )
+    numpy_trie, torch_trie = TokenCharacterTrie(vocab), make(vocab, device=device)
+    on_device = {"sum": probs.to(device), "max": logprobs.to(device)}
+    expected = numpy_trie.batch_weight_max(logprobs[:2])
+    assert np.array_equal(torch_trie.batch_weight_max(on_device["max"][:2]), expected)
+    expected = numpy_trie.batch_weight_sum(probs[:2])
+    assert np.allclose(torch_trie.batch_weight_sum(on_device["sum"][:2]), expected, rtol=1e-12)
+    print(
+        f"\nDevice path of ParallelTokenCharacterTrie on {device} against the numpy path "
+        "(medians, ms; torch operators dispatched per call)"
+    )
+    print(f"  {'figure':<26} {'numpy path':>20} {'device path':>20} {'ops/call':>9}")
+
+    def cell(timing: tuple[float, float]) -> str:
+        return f"{timing[0]:9.2f} ({timing[1]:8.2f})"
+
+    print(f"  {'build':<26} {cell(builds[0])} {cell(builds[1])}")
+    rows = {"sum": (probs, on_device["sum"]), "max": (logprobs, on_device["max"])}
+    figures = [
+        ("weight_sum", "weight_sum", "sum", 0, repeats),
+        ("weight_max", "weight_max", "max", 0, repeats),
+        (f"batch_weight_sum ({BATCH})", "batch_weight_sum", "sum", slice(None), 5),
+        (f"batch_weight_max ({BATCH})", "batch_weight_max", "max", slice(None), 5),
+    ]
+    for name, method, weights, which, count in figures:
+        cpu_rows, device_rows = (batch[which] for batch in rows[weights])
+        on_numpy = partial(getattr(numpy_trie, method), cpu_rows)
+        on_torch = partial(getattr(torch_trie, method), device_rows)
+        numpy_ms = median_ms(on_numpy, count, warm_up=True)
+        torch_ms = median_ms(on_torch, count, warm_up=True)
+        print(f"  {name:<26} {cell(numpy_ms)} {cell(torch_ms)} {ops_per_call(on_torch):9d}")
+
+
 class ReferenceRun:
     """The reference trie and its timings."""
 
@@ -227,6 +308,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--device-path-only",
+        action="store_true",
+        help="only time the device path of ParallelTokenCharacterTrie against the numpy path",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -241,6 +327,11 @@ def main() -> None:
     logits = torch.from_numpy(rng.normal(size=(BATCH, len(vocab))).astype(np.float32))
     logprobs = torch.log_softmax(logits, dim=-1)
     probs = logprobs.exp()
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    if args.device_path_only:
+        for device in devices:
+            bench_device_path(vocab, probs, logprobs, args.repeats, device)
+        return
     reference = ReferenceRun(vocab, probs, logprobs)
     classes = {
         "TokenCharacterTrie": TokenCharacterTrie,
@@ -248,6 +339,8 @@ def main() -> None:
     }
     for name, make in classes.items():
         bench_class(name, make, vocab, probs, logprobs, reference, args.repeats)
+    for device in devices:
+        bench_device_path(vocab, probs, logprobs, args.repeats, device)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from genlm.backend import ParallelTokenCharacterTrie, Token, TokenCharacterTrie
 from genlm.backend.trie import base as trie_base
+from genlm.backend.trie import parallel as trie_parallel
 
 
 def symbols_of(item) -> tuple:
@@ -71,7 +72,10 @@ def reduce_nodes(items: dict[int, list[int]], ws: np.ndarray, how: str) -> np.nd
 
 
 class TorchPathTrie(ParallelTokenCharacterTrie):
-    """The parallel class's torch path (the one CUDA devices run), forced on the CPU."""
+    """The parallel class's device path (the one CUDA devices run), forced on the CPU.
+
+    `_on_cpu` decides both whether the CSR matrix is built and which path reduces.
+    """
 
     def __init__(self, vocab):
         super().__init__(vocab, device="cpu")
@@ -89,8 +93,9 @@ CLASS_IDS = ["sequential", "parallel", "parallel-torch-path"]
 
 
 def assert_sums_close(actual, expected, ws):
-    # A float64 sum of n terms is within n * 2**-52 * sum(|terms|) of the exact sum
-    # (the reference is correctly rounded); -inf entries must match exactly.
+    # A float64 sum of n terms, added in any order (the numpy plan's, or the device
+    # path's sparse product), is within n * 2**-52 * sum(|terms|) of the exact sum (the
+    # reference is correctly rounded); -inf entries must match exactly.
     finite = np.asarray(ws, dtype=np.float64)
     scale = np.abs(finite[np.isfinite(finite)]).sum() + 1e-300
     np.testing.assert_allclose(actual, expected, rtol=0, atol=len(finite) * 2.0**-52 * scale)
@@ -374,6 +379,55 @@ def test_empty_vocabulary():
         np.testing.assert_array_equal(trie.weight_max(np.zeros(0)), [-np.inf])
 
 
+def test_torch_path_matrix_lists_the_items_below_every_node():
+    # Row n of the device path's CSR matrix holds the items below node n (node ids as
+    # in the base class) in increasing order, as a valid CSR matrix must for cuSPARSE.
+    rng = np.random.default_rng(7)
+    vocab = sorted({bytes(rng.integers(97, 100, size=rng.integers(0, 6))) for _ in range(200)})
+    vocab += [EndOfSequence((EOS_SYMBOL,)), EndOfSequence()]
+    trie = TorchPathTrie(vocab)
+    crow, col = trie._node_items.crow.numpy(), trie._node_items.col.numpy()
+    items = node_items(trie, vocab)
+    assert len(crow) == len(items) + 1 and crow[-1] == len(col)
+    for node, members in items.items():
+        assert col[crow[node] : crow[node + 1]].tolist() == sorted(members)
+    assert ParallelTokenCharacterTrie(vocab, device="cpu")._node_items is None  # numpy path
+
+
+def test_torch_path_reduces_large_batches_in_chunks(monkeypatch):
+    # Maxima of a batch whose gathered weights exceed the bound are taken a few rows at
+    # a time: here 2 rows per chunk, so a batch of 5 has a last chunk of one row.
+    rng = np.random.default_rng(8)
+    vocab = sorted({bytes(rng.integers(97, 100, size=rng.integers(1, 6))) for _ in range(150)})
+    pairs = len(TorchPathTrie(vocab)._node_items.col)
+    monkeypatch.setattr(trie_parallel, "_GATHER_BYTES", 2 * 8 * pairs)
+    trie = TorchPathTrie(vocab)
+    assert trie._node_items.rows_per_gather == 2
+    ws = rng.normal(size=(5, len(vocab)))
+    ws[1, ::3] = -np.inf
+    items = node_items(trie, vocab)
+    maxima = trie.batch_weight_max(ws)
+    for row, weights in zip(maxima, ws, strict=True):
+        np.testing.assert_array_equal(row, reduce_nodes(items, weights, "max"))
+        np.testing.assert_array_equal(row, trie.weight_max(weights))
+
+
+def test_torch_path_cuts_long_segments_into_pieces(monkeypatch):
+    # A node's max is taken over pieces of at most `_PIECE` pairs, then over its pieces:
+    # with pieces of 2 pairs, every node above the leaves has several.
+    rng = np.random.default_rng(9)
+    vocab = sorted({bytes(rng.integers(97, 100, size=rng.integers(1, 6))) for _ in range(150)})
+    monkeypatch.setattr(trie_parallel, "_PIECE", 2)
+    trie = TorchPathTrie(vocab)
+    assert trie._node_items.nodes is not None
+    ws = rng.normal(size=(3, len(vocab)))
+    ws[2, 1::2] = -np.inf
+    items = node_items(trie, vocab)
+    for row, weights in zip(trie.batch_weight_max(ws), ws, strict=True):
+        np.testing.assert_array_equal(row, reduce_nodes(items, weights, "max"))
+        np.testing.assert_array_equal(trie.weight_max(weights), row)
+
+
 def test_parallel_devices():
     with pytest.raises(ValueError, match="device"):
         ParallelTokenCharacterTrie([b"a"], device="tpu")
@@ -394,6 +448,11 @@ def test_parallel_cuda_matches_sequential():
     cpu = TokenCharacterTrie(vocab)
     np.testing.assert_array_equal(gpu.weight_max(ws.cuda()), cpu.weight_max(ws))
     np.testing.assert_allclose(gpu.weight_sum(ws.cuda()), cpu.weight_sum(ws), rtol=1e-12)
+    batch = torch.randn((3, len(vocab)), generator=torch.Generator().manual_seed(1)).double()
+    np.testing.assert_array_equal(gpu.batch_weight_max(batch.cuda()), cpu.batch_weight_max(batch))
+    items = node_items(gpu, vocab)
+    for row, weights in zip(gpu.batch_weight_sum(batch.cuda()), batch.numpy(), strict=True):
+        assert_sums_close(row, reduce_nodes(items, weights, "sum"), weights)
 
 
 def test_visualize():

@@ -1,28 +1,56 @@
-"""`ParallelTokenCharacterTrie`: the trie's reductions on a torch device.
+"""`ParallelTokenCharacterTrie`: the trie's reductions on a torch device, in a few kernels.
 
-The trie and its reduction plan are those of `TokenCharacterTrie` (see
-`genlm.backend.trie.base`). On a CUDA device the plan's index arrays live on
-the device as tensors, built once, and a whole batch goes through each step of
-the plan at once (gathers and element-wise doubling tables, computed in place
-in the `(batch, nodes)` result).
+The trie and its node ids are those of `TokenCharacterTrie` (see
+`genlm.backend.trie.base`). For a device, the class builds once, at
+construction, the items below every node as a sparse matrix in compressed
+sparse row (CSR) form, on the device: row `n` lists the positions in `decode`
+of the items below node `n`, in increasing order. In the base class's sorted
+trie the items below a node are a contiguous range of the sorted items, so the
+matrix comes from those ranges in a few vectorised numpy passes (for qwen2's
+vocabulary: 1,283,066 (node, item) pairs over 485,592 nodes, 16.5 MiB with
+32-bit indices, about 80 ms on one CPU core).
 
-On the CPU the class runs the sequential class's numpy path. The plan is made
-of gathers, and torch's CPU gathers are several times slower than numpy's fast
-path on it (measured on the qwen2 vocabulary: 8.5 ms against about 2 ms for
-one weight vector with one thread; a batch of 32 gathered along the item axis
-took seconds); torch's worker threads add nothing on a gather-bound job whose
-cores are busy. `_TorchPlan` still runs on the CPU, which is how the tests check it.
+A batch of weight rows is then reduced by a fixed number of kernels, whatever
+the depth of the trie:
+
+- sums: one sparse-dense product, the CSR matrix (float64 ones) times the
+  transposed float64 weights (cuSPARSE on CUDA), and one transposing copy into
+  the `(batch, nodes)` result;
+- maxima: the weights of every (node, item) pair are gathered as `(rows,
+  pairs)`, and `torch.segment_reduce` takes the max along the pairs, in chunks
+  of rows whose gathered weights stay under `_GATHER_BYTES`. Torch's CUDA
+  kernel loops over a segment in one thread, and the root's segment holds
+  every item, so segments are pieces of at most `_PIECE` pairs: one segmented
+  max over the pieces, a second over each node's pieces (when a node has
+  several).
+
+Every node has at least one item below it, so no segment is empty (an empty
+vocabulary goes to the base class). Maxima are exact; sums add the same terms
+as the base class in another order, so they agree to rounding.
+
+On the CPU the class runs the sequential class's numpy path and builds no
+matrix: torch's CPU gathers, sparse product and segmented reduction are several
+times slower than numpy on this job (see `benchmarks/bench_trie.py`). The tests
+and the benchmark force the device path onto the CPU by overriding `_on_cpu`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from genlm.backend.trie.base import TokenCharacterTrie, _ReductionPlan
+from genlm.backend.trie.base import TokenCharacterTrie
+from genlm.backend.trie.plan import _SortedTrie
+
+# Most bytes the gathered (row, pair) weights of `weight_max` take at once on the device.
+_GATHER_BYTES = 256 * 2**20
+# Longest run of pairs one segmented-max segment covers: longer ones (the root has every
+# item) are cut into pieces, then the pieces' maxima are reduced per node.
+_PIECE = 1024
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -39,85 +67,99 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-class _TorchPlan:
-    """A `_ReductionPlan` with its index arrays as tensors on a device."""
+def _node_item_pairs(
+    trie: _SortedTrie, position: np.ndarray, num_items: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """CSR arrays of the items below every node: `crow` (by node id) and `col`.
 
-    def __init__(self, plan: _ReductionPlan, device: torch.device):
-        def tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+    The items below node id `n` are `col[crow[n] : crow[n + 1]]`, increasing
+    positions in `decode`.
+    """
+    num_nodes = len(position)
+    first, stop = np.empty(num_nodes, dtype=np.int64), np.empty(num_nodes, dtype=np.int64)
+    first[position], stop[position] = trie.rank, trie.hi  # sorted ranks first .. stop - 1
+    counts = stop - first
+    crow = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum(counts, out=crow[1:])
+    ranks = np.arange(crow[-1]) + np.repeat(first - crow[:-1], counts)
+    # Sort each row's items by position (CSR wants increasing columns): sort the keys
+    # row * num_items + item, which keeps the rows in order.
+    row_keys = np.repeat(np.arange(num_nodes, dtype=np.int64) * num_items, counts)
+    col = row_keys + trie.order[ranks]
+    col.sort()
+    col -= row_keys
+    return crow, col
 
-        self.plan = plan
-        self.perm = tensor(plan.perm)
-        self.chain_source = tensor(plan.chain_source)
-        self.rows = [None if level.row is None else tensor(level.row) for level in plan.levels]
-        self.sparse_steps = [
-            [(tensor(left), tensor(right)) for left, right in level.sparse_steps]
-            for level in plan.levels
-        ]
-        self.table_positions = [list(map(tensor, level.table_positions)) for level in plan.levels]
-        self.windows = [list(map(tensor, level.windows)) for level in plan.levels]
+
+class _NodeItems:
+    """The items below every node as a CSR matrix on a device, and the reductions over it."""
+
+    def __init__(self, crow: np.ndarray, col: np.ndarray, num_items: int, device: torch.device):
+        # 32-bit indices below 2**31 pairs (every real vocabulary): half the
+        # memory, and no conversion per call where the sparse library wants them.
+        index = torch.int32 if len(col) < 2**31 else torch.int64
+        self.crow = torch.from_numpy(crow).to(device, index)
+        self.col = torch.from_numpy(col).to(device, index)
+        ones = torch.ones(len(col), dtype=torch.float64, device=device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+            self.matrix = torch.sparse_csr_tensor(
+                self.crow, self.col, ones, size=(len(crow) - 1, num_items), check_invariants=False
+            )
+        self.num_nodes = len(crow) - 1
+        self.rows_per_gather = max(1, _GATHER_BYTES // (8 * max(1, len(col))))
+        pieces = (np.diff(crow) + _PIECE - 1) // _PIECE  # every node has an item: >= 1
+        piece_offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum(pieces, out=piece_offsets[1:])
+        starts = np.repeat(crow[:-1], pieces) + _PIECE * (
+            np.arange(piece_offsets[-1]) - np.repeat(piece_offsets[:-1], pieces)
+        )
+        # Pair offsets of the pieces, and, when some node has several, piece offsets of the nodes.
+        self.pieces = torch.from_numpy(np.append(starts, len(col))).to(device, index)
+        self.nodes = None
+        if piece_offsets[-1] > self.num_nodes:
+            self.nodes = torch.from_numpy(piece_offsets).to(device, index)
 
     def nbytes(self) -> int:
-        """Bytes of the index tensors."""
-        tensors = [self.perm, self.chain_source, *(row for row in self.rows if row is not None)]
-        for level in self.table_positions + self.windows:
-            tensors += level
-        for level in self.sparse_steps:
-            for pair in level:
-                tensors += pair
+        """Bytes of the index and value tensors."""
+        tensors = [self.crow, self.col, self.matrix.values(), self.pieces]
+        tensors += [] if self.nodes is None else [self.nodes]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def run(self, weights: torch.Tensor, op, reduce) -> torch.Tensor:
-        """Every node's value for each row of `weights` (float64, `(batch, num_items)`).
+    def sums(self, weights: torch.Tensor) -> torch.Tensor:
+        """Every node's sum for each row of `weights` (float64, `(batch, num_items)`)."""
+        return (self.matrix @ weights.T).T.contiguous()
 
-        The whole batch goes through each step of the plan at once, computing the
-        values in place in the `(batch, nodes)` result (see `_ReductionPlan`).
+    def maxima(self, weights: torch.Tensor) -> torch.Tensor:
+        """Every node's max for each row of `weights` (float64, `(batch, num_items)`).
 
-        Args:
-            weights: The weight rows.
-            op: The element-wise reduction (`torch.add` or `torch.maximum`).
-            reduce: The same reduction along a dimension (`torch.sum` or `torch.amax`).
+        Each (row, segment) of a segmented max may be one thread's sequential loop
+        (torch's CUDA kernel for 2-D data), so no segment covers more than
+        `_PIECE` pairs: the pieces' maxima, then the nodes' maxima over their pieces.
         """
-        plan, items, device = self.plan, slice(1, 1 + self.plan.num_items), weights.device
-        out = torch.empty((len(weights), plan.num_nodes), dtype=torch.float64, device=device)
-        values = out[:, : plan.values_stop]
-        values[:, 0] = reduce(weights, dim=1)
-        values[:, items] = weights.index_select(1, self.perm)
-        steps = zip(self.rows, self.sparse_steps, self.table_positions, self.windows, strict=True)
-        for level, (row, sparse_steps, table_positions, windows) in zip(
-            plan.levels, steps, strict=True
-        ):
-            table = values[:, items] if row is None else values.index_select(1, row)
-            staged = []
-            for b, positions in enumerate(table_positions):
-                if b >= level.dense_tables:
-                    left, right = sparse_steps[b - level.dense_tables]
-                    table = op(table.index_select(1, left), table.index_select(1, right))
-                elif b:
-                    half = 1 << (b - 1)
-                    table = op(table[:, :-half], table[:, half:])
-                staged.append(table.index_select(1, positions))
-            stage = torch.cat(staged, dim=1) if staged else table[:, :0]
-            block = values[:, level.start : level.stop]
-            for j, positions in enumerate(windows):
-                if j == 0:
-                    block.copy_(stage.index_select(1, positions))
-                else:
-                    head = block[:, : len(positions)]
-                    head.copy_(op(head, stage.index_select(1, positions)))
-        out[:, plan.values_stop :] = values.index_select(1, self.chain_source)
-        return out
+        chunks = []
+        for rows in weights.split(self.rows_per_gather):
+            values = rows.index_select(1, self.col)
+            for offsets in (self.pieces, self.nodes):
+                if offsets is not None:
+                    offsets = offsets.expand(len(rows), -1)
+                    values = torch.segment_reduce(values, "max", offsets=offsets, axis=1)
+            chunks.append(values)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 class ParallelTokenCharacterTrie(TokenCharacterTrie):
-    """`TokenCharacterTrie` with its reductions run on a torch device.
+    """`TokenCharacterTrie` with its reductions run on a torch device in a few kernels.
 
-    Same attributes, methods and results as `TokenCharacterTrie` (results are
-    float64 numpy arrays). On CUDA the reduction plan's index tensors are built
-    once on the device, weight vectors are moved there, and a whole batch goes
-    through each step at once, in place in a float64 result on the device. On the
-    CPU the reductions run the sequential class's numpy path, which is faster there
-    (see the module docstring).
+    Same attributes, methods, node ids and results as `TokenCharacterTrie`
+    (float64 numpy arrays; `weight_max` equal bit for bit, `weight_sum` to
+    rounding, as the terms are added in another order). On CUDA the items below
+    every node are built once on the device as a sparse CSR matrix, weight
+    vectors are moved there, and a batch is reduced by a fixed number of
+    kernels whatever the depth of the trie: one sparse-dense product for the
+    sums, one gather and two segmented maxima (per chunk of rows) for the maxima
+    (see the module docstring). On the CPU the reductions run the sequential
+    class's numpy path, which is faster there, and no matrix is built.
 
     Args:
         decode: The vocabulary items (see `TokenCharacterTrie`).
@@ -131,7 +173,12 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     def __init__(self, decode: Sequence, device: str | torch.device | None = None):
         self.device = _resolve_device(device)
         super().__init__(decode)
-        self._torch_plan = _TorchPlan(self._plan, self.device)
+
+    def _index_trie(self, trie: _SortedTrie, position: np.ndarray) -> None:
+        self._node_items = None
+        if not self._on_cpu():
+            crow, col = _node_item_pairs(trie, position, len(self.decode))
+            self._node_items = _NodeItems(crow, col, len(self.decode), self.device)
 
     def _on_cpu(self) -> bool:
         return self.device.type == "cpu"
@@ -171,6 +218,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     def _reduce(self, weights: np.ndarray | torch.Tensor, op: np.ufunc, empty: float) -> np.ndarray:
         if self._on_cpu() or not self.decode:
             return super()._reduce(weights, op, empty)
+        if not len(weights):
+            return np.empty((0, self._node_items.num_nodes))
         if op is np.add:
-            return self._torch_plan.run(weights, torch.add, torch.sum).cpu().numpy()
-        return self._torch_plan.run(weights, torch.maximum, torch.amax).cpu().numpy()
+            return self._node_items.sums(weights).cpu().numpy()
+        return self._node_items.maxima(weights).cpu().numpy()

@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--configs", default="10x32,32x128", help="NxT,NxT,... (speed part)")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
@@ -155,7 +156,7 @@ def main() -> None:
     header = ("config", "reference s", "backend s", "ratio", "target", "max err")
     print(f"{header[0]:<40}" + "".join(f"{h:>12}" for h in header[1:]))
 
-    for n, steps in [] if args.skip_speed else [(10, 32), (32, 128)]:
+    for n, steps in [] if args.skip_speed else parse_configs(args.configs):
         trace = make_trace(n, steps, len(tokenizer))
         for use_cache_kv in (False, True):
             settings = {"defaults": default_batch_size, "tuned": n}

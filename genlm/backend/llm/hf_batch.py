@@ -87,7 +87,7 @@ class BatchKV:
         ):
             return None
         if sources == list(range(len(sources))) and old.shape[-2] >= shape[-2]:
-            # Row i extends row i: the new tokens go into spare slots (rows past the last unused).
+            # Row i extends row i: the new tokens go into spare slots of the same rows.
             return old.narrow(2, 0, len(sources))
         storage = self.workspace.take(shape, like)
         for row, source in enumerate(sources):

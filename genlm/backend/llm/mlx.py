@@ -362,15 +362,19 @@ class AsyncMlxLM(AsyncLM):
                 finally:
                     for past in pasts:
                         self.kv_cache.unlock(past.node)
-                for i, row in zip(indices, rows, strict=True):
-                    results[i] = row
-                    self.output_cache[requests[i]] = row
+                self.output_cache.store_rows([requests[i] for i in indices], rows)
+                for i, row in zip(indices, rows.unbind(0), strict=True):
+                    results[i] = row  # a view of this batch's own tensor
             return results
 
     def _run(
         self, adapter: str | None, contexts: list[tuple[int, ...]], pasts: list[PrefixMatch]
-    ) -> list[torch.Tensor]:
-        """One forward pass over the uncached tokens of `contexts`; caches their key/values."""
+    ) -> torch.Tensor:
+        """One forward pass over the uncached tokens of `contexts`; caches their key/values.
+
+        Returns:
+            The results, one row per context (this batch's own tensor).
+        """
         import mlx.core as mx
 
         engine = _engine()
@@ -404,9 +408,8 @@ class AsyncMlxLM(AsyncLM):
         if not batch.ragged:
             workspace.remember(adapter, contexts, caches)
         # MLX's float32 `logsumexp` sums 10^4-10^5 terms less accurately than torch's
-        # (~1e-4 nats on SmolLM2), so torch normalises. Rows of this batch's own
-        # tensor: the output cache keeps copies of them.
-        return list(torch.log_softmax(engine.to_torch(last), dim=-1).unbind(0))
+        # (~1e-4 nats on SmolLM2), so torch normalises.
+        return torch.log_softmax(engine.to_torch(last), dim=-1)
 
 
 def _rope_config(model_name: str) -> dict[str, Any]:

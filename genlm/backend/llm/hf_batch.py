@@ -29,19 +29,20 @@ class BatchKV:
     which has spare slots for the next steps.
 
     Args:
-        segments: Each row's cached prefix, as key/value views of the tree.
+        segments: Each row's cached prefix, as key/value views of the tree
+            (`None` when `previous` is given).
         past_length: Slots reserved for the longest prefix.
         n_new: Slots for the new tokens.
         n_layers: Layers of the model.
         workspace: Where the storage comes from.
         previous: The last batch's storage and, for each row, the row of it
-            that holds this row's whole prefix (from `KVWorkspace.recall`), or
-            `None` to gather the prefixes from `segments`.
+            that holds this row's whole prefix (from `KVWorkspace.extension`),
+            or `None` to gather the prefixes from `segments`.
     """
 
     def __init__(
         self,
-        segments: list[tuple[torch.Tensor, ...]],
+        segments: list[tuple[torch.Tensor, ...]] | None,
         past_length: int,
         n_new: int,
         n_layers: int,

@@ -608,8 +608,8 @@ class AsyncTransformer(AsyncLM):
         inputs: dict[str, Any] = {}
         if aligned:  # without a mask the model attends to every slot, causally
             input_ids = torch.tensor(new_tokens)
-            positions = torch.arange(past_length, past_length + n_new)
-            position_ids = positions.expand(len(queries), n_new)
+            positions = torch.arange(past_length, past_length + n_new, device=self._device)
+            position_ids = positions.expand(len(queries), n_new)  # made there: no copy to it
         else:
             input_ids = torch.tensor(
                 [tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens]

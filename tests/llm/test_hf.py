@@ -193,6 +193,22 @@ async def test_lockstep_rows_join_the_tree_when_no_batch_continues_them(lm):
     assert_exact(lm, a + [4, 7], await lm.next_token_logprobs(a + [4, 7]))
 
 
+@pytest.mark.parametrize(
+    "ancestors", [[2, 3, 3, 3], [0, 0, 1, 1], [1, 1, 2, 3], [3, 3, 0, 1], [1, 2], [3, 2, 1, 0]]
+)
+async def test_resampled_rows_are_rebuilt_in_place_whatever_the_ancestors(lm, ancestors):
+    # After resampling, rows are copied within the last batch's buffer: a row must not be
+    # overwritten before every row descending from it has been copied from it.
+    prompt = random_ids(20, 8)
+    particles = [prompt + [i] for i in range(4)]
+    await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+    step = [particles[a] + [10 + i] for i, a in enumerate(ancestors)]
+    for contexts in (step, [context + [30] for context in step]):
+        results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        for context, result in zip(contexts, results, strict=True):
+            assert_exact(lm, context, result)
+
+
 async def test_a_step_that_fails_mid_pass_leaves_the_last_batch_usable(lm):
     # The failure comes after the new buffer was taken (the output layer runs last);
     # retrying the resampled step must not build the buffer over the one it copies from.

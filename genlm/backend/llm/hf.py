@@ -16,8 +16,9 @@ One evaluation of a batch of queries is one forward pass:
    in `hf_batch`); other batches insert their new key/values into the tree.
 
 A sampler's next step extends every row of the batch before by the same number
-of tokens: it runs in the previous buffer (one copy per row after resampling,
-none otherwise: the new tokens go into spare slots) without touching the tree.
+of tokens: it runs in the previous buffer (the new tokens go into spare slots;
+after resampling, a row whose ancestor is another row gets one copy of it)
+without touching the tree.
 Rows no batch continues are inserted into the tree (`_spill`), so the tree
 holds every evaluated context except those of the last batch.
 """

@@ -36,8 +36,8 @@ class BatchKV:
         n_layers: Layers of the model.
         workspace: Where the storage comes from.
         previous: The last batch's storage and, for each row, the row of it
-            that holds this row's whole prefix (from `KVWorkspace.extension`),
-            or `None` to gather the prefixes from `segments`.
+            that holds this row's whole prefix (from `KVWorkspace.extension`;
+            in increasing order), or `None` to gather the prefixes from `segments`.
     """
 
     def __init__(
@@ -87,8 +87,19 @@ class BatchKV:
             like.device,
         ):
             return None
-        if sources == list(range(len(sources))) and old.shape[-2] >= shape[-2]:
-            # Row i extends row i: the new tokens go into spare slots of the same rows.
+        if len(sources) <= old.shape[2] and old.shape[-2] >= shape[-2]:
+            # In place: the new tokens go into spare slots, and only rows whose source is
+            # another row are copied. Sources are sorted, so rows reading a later row go
+            # first, in increasing order, then rows reading an earlier one, in decreasing
+            # order: no row is overwritten before every row reading it has.
+            moved = [row for row, source in enumerate(sources) if source > row]
+            moved += [row for row, source in reversed(list(enumerate(sources))) if source < row]
+            if moved:  # the last batch's rows change: a retry after a failure must not use them
+                self.workspace.forget()
+            for row in moved:
+                old[:, :, row, :, : self.past_length].copy_(
+                    old[:, :, sources[row], :, : self.past_length]
+                )
             return old.narrow(2, 0, len(sources))
         storage = self.workspace.take(shape, like)
         for row, source in enumerate(sources):

@@ -214,23 +214,22 @@ class Runner:
     ) -> list[Stamp]:
         """Per-step costs of the SMC loop through `next_token_logprobs`.
 
-        `keep_results=False` turns `AsyncTransformer`'s output cache off for the run.
+        `keep_results=False` turns the backend's output cache off for the run.
         """
         clock = clock_for(counts)
         self.lm.batch_size = batch_size
         if self.is_vllm:
             self.lm.llm_engine.reset_prefix_cache()
-        else:
-            maxsize, self.lm.output_cache.maxsize = self.lm.output_cache.maxsize, 0
-            if keep_results:
-                self.lm.output_cache.maxsize = maxsize
+        cache = self.lm.cache if self.is_vllm else self.lm.output_cache
+        maxsize = cache.maxsize
+        if not keep_results:
+            cache.maxsize = 0
         lm = Stamped(self.lm, "next_token_logprobs", n, clock)
         try:
             with counting(counts, self.engine_thread):
                 run_backend(lm, trace, n, steps, use_cache_kv=False)
         finally:
-            if not self.is_vllm:
-                self.lm.output_cache.maxsize = maxsize
+            cache.maxsize = maxsize
         return step_costs(lm.stamps)
 
     def ops_per_step(self, run: Callable[[Counter], list[Stamp]]) -> str:

@@ -57,7 +57,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -69,6 +69,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend import assets
 from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.llm.vllm_engine import EngineLoop
 
 OVERHEAD_TARGET_MS = 1.0
 DEFAULTS_TARGET = 1.05  # default batch settings / batch_size=N
@@ -95,20 +96,20 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextmanager
-def counting(counts: Counter | None, engine_thread: Executor | None = None) -> Iterator[None]:
-    """Count operators into `counts` in this thread and in `engine_thread` (no-op for `None`)."""
+def counting(counts: Counter | None, engine: EngineLoop | None = None) -> Iterator[None]:
+    """Count operators into `counts` in this thread and on `engine`'s thread (no-op for `None`)."""
     if counts is None:
         yield
         return
     modes = [OpCounter(counts), OpCounter(counts)]
-    if engine_thread is not None:
-        engine_thread.submit(modes[1].__enter__).result()
+    if engine is not None:
+        engine.call(modes[1].__enter__).result()
     try:
         with modes[0]:
             yield
     finally:
-        if engine_thread is not None:
-            engine_thread.submit(modes[1].__exit__, None, None, None).result()
+        if engine is not None:
+            engine.call(modes[1].__exit__, None, None, None).result()
 
 
 class Stamped:
@@ -174,7 +175,7 @@ class Runner:
 
     def __init__(self, lm: Any, model: Any, is_vllm: bool):
         self.lm, self.model, self.is_vllm = lm, model, is_vllm
-        self.engine_thread = lm._engine_thread if is_vllm else None  # runs the engine's ops
+        self.engine = lm._engine if is_vllm else None  # its thread runs the engine's ops
         self.countable = True
         if is_vllm:
             try:
@@ -226,7 +227,7 @@ class Runner:
             cache.maxsize = 0
         lm = Stamped(self.lm, "next_token_logprobs", n, clock)
         try:
-            with counting(counts, self.engine_thread):
+            with counting(counts, self.engine):
                 run_backend(lm, trace, n, steps, use_cache_kv=False)
         finally:
             cache.maxsize = maxsize
@@ -346,7 +347,7 @@ def vllm_runner(path: str) -> Runner:
     from genlm.backend.llm.vllm import AsyncVirtualLM
 
     lm = AsyncVirtualLM.from_name(path, engine_opts=ENGINE_OPTS)
-    threads = lm._engine_thread.submit(torch.get_num_threads).result()
+    threads = lm._engine.call(torch.get_num_threads).result()
     print(f"vLLM engine {ENGINE_OPTS}, {threads} threads", flush=True)
     return Runner(lm, lm, is_vllm=True)
 

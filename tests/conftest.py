@@ -62,3 +62,34 @@ def vllm_engine_opts() -> Callable[[dict], dict]:
         return dict(engine_opts)
 
     return opts
+
+
+@pytest.fixture
+def engine_rounds(monkeypatch) -> Callable:
+    """Factory: spies on an `AsyncVirtualLM`'s engine; returns its list of admission rounds.
+
+    A round is the prompts of the requests added to the engine between two of its steps:
+    requests of one round share the engine's next step.
+    """
+
+    def spy_on(lm) -> list[list[tuple[int, ...]]]:
+        engine = lm.llm_engine.llm_engine
+        add_request, step = engine.add_request, engine.step
+        rounds: list[list[tuple[int, ...]]] = []
+        arrived: list[tuple[int, ...]] = []
+
+        def spied_add_request(request_id, prompt, *args, **kwargs):
+            arrived.append(tuple(prompt["prompt_token_ids"]))
+            return add_request(request_id, prompt, *args, **kwargs)
+
+        def spied_step():
+            if arrived:
+                rounds.append(list(arrived))
+                arrived.clear()
+            return step()
+
+        monkeypatch.setattr(engine, "add_request", spied_add_request)
+        monkeypatch.setattr(engine, "step", spied_step)
+        return rounds
+
+    return spy_on

@@ -83,16 +83,8 @@ def reference(tiny_llama_path):
 
 
 @pytest.fixture
-def generate_calls(tp_lm, monkeypatch):
-    calls = []
-    generate = tp_lm.llm_engine.generate
-
-    def spy(prompts, *args, **kwargs):
-        calls.append([tuple(p["prompt_token_ids"]) for p in prompts])
-        return generate(prompts, *args, **kwargs)
-
-    monkeypatch.setattr(tp_lm.llm_engine, "generate", spy)
-    return calls
+def rounds(tp_lm, engine_rounds):
+    return engine_rounds(tp_lm)
 
 
 def is_alive(pid: int) -> bool:
@@ -122,39 +114,41 @@ def test_two_workers_agree_with_transformers(tp_lm, reference):
     torch.testing.assert_close(single, reference(PROMPTS[0]), atol=ATOL, rtol=0)
 
 
-async def test_concurrent_queries_one_generate_duplicates_once(tp_lm, reference, generate_calls):
+async def test_concurrent_queries_enter_together_duplicates_once(tp_lm, reference, rounds):
     queries = PROMPTS + PROMPTS[:2]
     results = await asyncio.gather(*(tp_lm.next_token_logprobs(p) for p in queries))
-    assert len(generate_calls) == 1
-    assert sorted(generate_calls[0]) == sorted(tuple(p) for p in PROMPTS)
+    assert len(rounds) == 1
+    assert sorted(rounds[0]) == sorted(tuple(p) for p in PROMPTS)
     for prompt, row in zip(queries, results, strict=True):
         torch.testing.assert_close(row, reference(prompt), atol=ATOL, rtol=0)
 
 
-async def test_cache_and_seeded_sampling(tp_lm, generate_calls):
+async def test_cache_and_seeded_sampling(tp_lm, rounds):
     lm = AsyncVirtualLM(tp_lm.llm_engine, tp_lm.logprobs_capture, cache_size=4)
     first = await lm.next_token_logprobs(PROMPTS[1])
     assert torch.equal(await lm.next_token_logprobs(PROMPTS[1]), first)
-    assert len(generate_calls) == 1
+    assert len(rounds) == 1
     runs = await asyncio.gather(*(tp_lm.sample(PROMPTS[0], 6, [], seed=s) for s in (4, 4)))
-    assert len(generate_calls) == 2
+    assert len(rounds) == 2
     assert runs[0] == runs[1] and len(runs[0]) == 6
     stop = runs[0][2]
     assert await tp_lm.sample(PROMPTS[0], 6, [stop], seed=4) == runs[0][: runs[0].index(stop)]
 
 
 async def test_engine_error_reaches_every_caller(tp_lm, reference, monkeypatch):
-    generate = tp_lm.llm_engine.generate
+    engine = tp_lm.llm_engine.llm_engine
+    step = engine.step
 
-    def broken(*args, **kwargs):
+    def broken():
         raise RuntimeError("engine failure")
 
-    monkeypatch.setattr(tp_lm.llm_engine, "generate", broken)
+    monkeypatch.setattr(engine, "step", broken)
     results = await asyncio.gather(
         *(tp_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
     )
     assert all(isinstance(r, RuntimeError) for r in results)
-    monkeypatch.setattr(tp_lm.llm_engine, "generate", generate)
+    monkeypatch.setattr(engine, "step", step)
+    assert not engine.has_unfinished_requests()  # the failed requests were aborted
     row = await tp_lm.next_token_logprobs(PROMPTS[2])
     torch.testing.assert_close(row, reference(PROMPTS[2]), atol=ATOL, rtol=0)
 

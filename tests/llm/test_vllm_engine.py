@@ -1,0 +1,183 @@
+"""`EngineLoop`'s scheduling on a stand-in engine: admission, failures, cancellation, closing.
+
+The stand-in finishes a request after as many steps as its `params` says and
+records which requests each step ran, which is what these tests check. The
+loop on a real vLLM engine is tested in `test_vllm.py`.
+"""
+
+import gc
+import threading
+import time
+import weakref
+from concurrent.futures import CancelledError
+from types import SimpleNamespace
+
+import pytest
+
+from genlm.backend.llm.vllm_engine import EngineLoop, EngineRequest
+
+LIMIT = 10  # seconds any future may take
+
+
+class StandInEngine:
+    """Runs each request for `params` steps; `steps` lists the request ids of every step."""
+
+    def __init__(self):
+        self.remaining: dict[str, int] = {}
+        self.adapters: dict[str, bool] = {}
+        self.steps: list[list[str]] = []
+        self.aborted: list[str] = []
+        self.fail_next_step = False
+        self.gate = threading.Event()  # steps wait for it
+        self.gate.set()
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        if params == "bad":
+            raise ValueError("bad request")
+        self.remaining[request_id] = params
+        self.adapters[request_id] = lora_request is not None
+
+    def step(self):
+        self.gate.wait(LIMIT)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("engine failure")
+        running = list(self.remaining)
+        kinds = {self.adapters[r] for r in running}
+        assert len(kinds) <= 1, "base and adapter requests shared a step"
+        self.steps.append(running)
+        finished = []
+        for request_id in running:
+            self.remaining[request_id] -= 1
+            if self.remaining[request_id] == 0:
+                del self.remaining[request_id]
+                finished.append(SimpleNamespace(request_id=request_id, finished=True))
+        return finished
+
+    def abort_request(self, request_ids):
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self.remaining.pop(request_id, None)
+
+
+@pytest.fixture
+def engine():
+    return StandInEngine()
+
+
+@pytest.fixture
+def loop(engine):
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine))
+    yield loop
+    engine.gate.set()
+    loop.close()
+
+
+def request(steps, prompt=(1,), lora=None):
+    return EngineRequest(tuple(prompt), steps, lora)
+
+
+def request_ids(outputs):
+    return [output.request_id for output in outputs]
+
+
+def test_a_group_joins_a_running_engine_and_finishes_first(loop, engine):
+    engine.gate.clear()
+    long = loop.run([request(6)], request_ids)
+    time.sleep(0.05)  # the loop is waiting inside the first step
+    short = loop.run([request(1), request(2)], request_ids)
+    engine.gate.set()
+    long_ids, short_ids = long.result(LIMIT), short.result(LIMIT)
+    assert engine.steps[0] == long_ids
+    assert engine.steps[1] == long_ids + short_ids  # the next step runs both groups
+    assert engine.steps[2] == long_ids + short_ids[1:]  # the short group is done after it
+    assert engine.steps[3:] == [long_ids] * 3
+
+
+def test_base_and_adapter_requests_never_share_a_step_and_neither_starves(loop, engine):
+    engine.gate.clear()
+    adapter = "an adapter"
+    first = loop.run([request(3, lora=adapter)], request_ids)
+    time.sleep(0.05)
+    base = loop.run([request(1)], request_ids)
+    later = loop.run([request(1, lora=adapter)], request_ids)  # arrived after `base`
+    engine.gate.set()
+    first_ids, base_ids, later_ids = (f.result(LIMIT) for f in (first, base, later))
+    assert engine.steps == [first_ids] * 3 + [base_ids, later_ids]
+
+
+def test_a_mixed_group_runs_one_kind_after_the_other(loop, engine):
+    outputs = loop.run(
+        [request(1), request(1, lora="a"), request(1), request(1, lora="b")], request_ids
+    ).result(LIMIT)
+    assert engine.steps == [[outputs[0], outputs[2]], [outputs[1], outputs[3]]]
+
+
+def test_a_failed_step_fails_the_running_groups_and_the_loop_goes_on(loop, engine):
+    discarded = []
+    engine.fail_next_step = True
+    failed = loop.run([request(2), request(2)], request_ids, lambda: discarded.append(True))
+    with pytest.raises(RuntimeError, match="engine failure"):
+        failed.result(LIMIT)
+    assert len(engine.aborted) == 2 and engine.remaining == {} and discarded == [True]
+    assert len(loop.run([request(1)], request_ids).result(LIMIT)) == 1
+
+
+def test_a_refused_request_fails_its_group_and_leaves_no_request_behind(loop, engine):
+    group = loop.run([request(2), request("bad")], request_ids)
+    with pytest.raises(ValueError, match="bad request"):
+        group.result(LIMIT)
+    assert engine.remaining == {} and len(engine.aborted) == 1
+    assert loop.call(len, engine.steps).result(LIMIT) == 0
+
+
+def test_an_error_in_finish_reaches_the_caller(loop):
+    def finish(outputs):
+        raise KeyError("no rows")
+
+    with pytest.raises(KeyError, match="no rows"):
+        loop.run([request(1)], finish).result(LIMIT)
+    assert loop.call(sum, [1, 2]).result(LIMIT) == 3
+
+
+def test_a_group_cancelled_before_it_reaches_the_engine_stays_out(loop, engine):
+    engine.gate.clear()
+    running = loop.run([request(1)], request_ids)
+    time.sleep(0.05)
+    cancelled = loop.run([request(1, prompt=(2,))], request_ids)
+    assert cancelled.cancel()
+    engine.gate.set()
+    assert loop.call(lambda: list(engine.steps)).result(LIMIT) == [running.result(LIMIT)]
+    with pytest.raises(CancelledError):
+        cancelled.result(LIMIT)
+
+
+def test_close_fails_unfinished_work_and_refuses_more(engine):
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine))
+    engine.gate.clear()
+    running = loop.run([request(100)], request_ids)
+    time.sleep(0.05)
+    closer = threading.Thread(target=loop.close)
+    closer.start()
+    engine.gate.set()
+    closer.join(LIMIT)
+    assert loop.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        running.result(LIMIT)
+    assert engine.remaining == {}
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.run([request(1)], request_ids)
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.call(len, [])
+
+
+def test_a_loop_nobody_holds_ends_its_thread(engine):
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine))
+    assert loop.run([request(1)], request_ids).result(LIMIT)
+    thread = loop._thread
+    reference = weakref.ref(loop)
+    del loop
+    thread.join(LIMIT)  # it holds the loop for at most one idle wait
+    assert not thread.is_alive()
+    gc.collect()
+    assert reference() is None

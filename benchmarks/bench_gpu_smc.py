@@ -33,7 +33,9 @@ is not installed here, so its column is left out (run it separately).
 
 Run: `HF_HUB_OFFLINE=1 PYTHONPATH=benchmarks python benchmarks/bench_gpu_smc.py
 [--device cuda] [--repeats 3] [--skip-vllm] [--skip-hf] [--gpu-memory-utilization 0.4]
-[--tiny]` (`--tiny`: a 2-layer model of the same kind, for a smoke run on CPU).
+[--tiny] [--runner v1|v2]` (`--tiny`: a 2-layer model of the same kind, for a smoke run
+on CPU; `--runner v2`: vLLM's V2 model runner with the backend's V2 capture, which has
+not run on a GPU yet; run the script once per runner).
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from operator import attrgetter
 from types import SimpleNamespace
 from typing import Any
 
@@ -170,14 +171,23 @@ def hf_rows(folder: str, device: str, dtype: torch.dtype, repeats: int, judged: 
         report(f"transformers T={steps}", per_step_ms(runs, repeats), judged)
 
 
+def detach(model_runner: Any, capture: Any) -> None:
+    """Undo `add_to_sampler`: the V1 runner's processor list, or the V2 runner's wrapper."""
+    from genlm.backend.llm.vllm_logits import CapturingSampler
+
+    if isinstance(model_runner.sampler, CapturingSampler):
+        model_runner.sampler = model_runner.sampler.sampler
+    else:
+        model_runner.input_batch.logitsprocs.argmax_invariant.remove(capture)
+
+
 @contextmanager
 def capture_detached(lm: Any) -> Iterator[None]:
     """Take the backend's logits capture out of the engine's sampler for a while."""
     from genlm.backend.llm.vllm_logits import add_to_sampler
 
     capture = lm.logprobs_capture
-    processors = attrgetter("input_batch.logitsprocs.argmax_invariant")
-    lm.llm_engine.collective_rpc(lambda worker: processors(worker.model_runner).remove(capture))
+    lm.llm_engine.collective_rpc(lambda worker: detach(worker.model_runner, capture))
     try:
         yield
     finally:
@@ -212,12 +222,15 @@ def vllm_row(lm: Any, label: str, clock: Callable[[], Stamp], repeats: int, judg
 def vllm_rows(folder: str, device: str, dtype: torch.dtype, args: Any, judged: bool) -> None:
     """One engine with vLLM's default settings, then one with `enforce_eager=True`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the table readable
+    # Read when each engine is configured; `from_name` leaves a value set here alone.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     from genlm.backend.llm.vllm import AsyncVirtualLM
 
     base = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512, "seed": 0}
     if device.startswith("cuda"):
         base["gpu_memory_utilization"] = args.gpu_memory_utilization
     for label, extra in (("vLLM default", {}), ("vLLM eager", {"enforce_eager": True})):
+        label = f"{label} {args.runner}"
         start = time.perf_counter()
         lm = AsyncVirtualLM.from_name(folder, engine_opts=base | extra)
         print(f"{label}: engine start {time.perf_counter() - start:.1f} s", flush=True)
@@ -244,6 +257,12 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument(
+        "--runner",
+        choices=["v1", "v2"],
+        default="v1",
+        help="vLLM's model runner (v2 needs Triton, i.e. a GPU; the backend's default is v1)",
+    )
     args = parser.parse_args()
     device = args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

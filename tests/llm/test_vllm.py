@@ -12,6 +12,7 @@ import os
 import weakref
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -485,11 +486,78 @@ def test_capture_normalises_half_precision_logits_in_float32():
     assert (torch.log_softmax(logits[0], -1).float() - row).abs().max() > 1e-2
 
 
+class StandInV2Sampler:
+    """Records what reaches it, with vLLM 0.26.0's `add_request(slot, prompt_len, params)`."""
+
+    def __init__(self):
+        self.added, self.sampled = [], []
+        self.sampling_states = "states"
+
+    def add_request(self, slot, prompt_len, sampling_params):
+        self.added.append((slot, prompt_len, sampling_params))
+
+    def __call__(self, logits, input_batch):
+        self.sampled.append(logits)
+        return "sampler output"
+
+
+def test_v2_runner_sampler_records_rows_by_slot():
+    from vllm import SamplingParams
+
+    from genlm.backend.llm.vllm_logits import CapturingSampler, add_to_sampler
+
+    sampler = StandInV2Sampler()
+    runner = SimpleNamespace(sampler=sampler, req_states=object())
+    capture = GlobalLogprobsCapture()
+    add_to_sampler(runner, capture)
+    add_to_sampler(runner, capture)  # installing twice wraps once
+    assert isinstance(runner.sampler, CapturingSampler) and runner.sampler.sampler is sampler
+    assert runner.sampler.sampling_states == "states"  # the rest is the wrapped sampler's
+
+    def tagged(tag):
+        return SamplingParams(extra_args={"genlm_capture_tag": tag})
+
+    runner.sampler.add_request(4, 7, tagged("a"))
+    runner.sampler.add_request(1, 3, SamplingParams())
+    runner.sampler.add_request(2, 5, tagged("b"))
+    runner.sampler.add_request(2, 5, SamplingParams())  # slot 2 reused by an untagged request
+    runner.sampler.add_request(0, 2, tagged("c"))
+    assert [slot for slot, _, _ in sampler.added] == [4, 1, 2, 2, 0]
+    logits = torch.randn(3, 11)
+    batch = SimpleNamespace(idx_mapping_np=np.array([1, 0, 4], dtype=np.int32))
+    assert runner.sampler(logits, batch) == "sampler output" and sampler.sampled == [logits]
+    expected = torch.log_softmax(logits, -1)
+    rows = capture.take(["a", "c"])
+    torch.testing.assert_close(rows[0], expected[2])
+    torch.testing.assert_close(rows[1], expected[1])
+    with pytest.raises(RuntimeError, match="no logits were recorded"):
+        capture.take(["b"])
+    # More rows than requests (speculative decoding): nothing is recorded, nothing wrong returned.
+    runner.sampler(torch.randn(4, 11), SimpleNamespace(idx_mapping_np=np.array([0, 4])))
+    with pytest.raises(RuntimeError, match="no logits were recorded"):
+        capture.take(["a"])
+    last_stage_only = SimpleNamespace(sampler=None, req_states=object())
+    add_to_sampler(last_stage_only, capture)
+    assert last_stage_only.sampler is None
+
+
+def test_the_installed_v2_runner_has_what_the_wrapper_uses():
+    """vLLM's own V2 sampler and batch: the wrapper relies on these names and orders."""
+    import inspect
+
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    assert list(inspect.signature(Sampler.add_request).parameters)[-1] == "sampling_params"
+    assert list(inspect.signature(Sampler.__call__).parameters)[1:] == ["logits", "input_batch"]
+    assert "idx_mapping_np" in InputBatch.__dataclass_fields__
+
+
 def test_missing_engine_hooks_name_the_vllm_version():
     import vllm
 
     worker = LogprobsWorkerExtension()
-    worker.model_runner = SimpleNamespace()  # a model runner without logits processors
+    worker.model_runner = SimpleNamespace()  # neither a V1 nor a V2 model runner
     with pytest.raises(RuntimeError, match=f"vLLM {vllm.__version__}"):
         worker.genlm_install_capture()
 

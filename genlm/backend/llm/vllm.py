@@ -118,10 +118,13 @@ class AsyncVirtualLM(AsyncLM):
         """Start a vLLM engine for `model_name`, its engine core in this process.
 
         Sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` and, unless already set,
-        `VLLM_USE_V2_MODEL_RUNNER=0` (the capture hooks into the V1 model
-        runner, which the CPU build always uses). With one worker the model
-        runs in this process too; with several (tensor or pipeline parallel)
-        vLLM starts worker processes and the logits come back from them.
+        `VLLM_USE_V2_MODEL_RUNNER=0`: the capture in the V1 model runner is
+        the one tested on an engine. Set `VLLM_USE_V2_MODEL_RUNNER=1` for
+        vLLM's V2 runner (it needs Triton, so a GPU); its capture wraps the
+        runner's sampler and has not yet run on a GPU. With one worker the
+        model runs in this process too; with several (tensor or pipeline
+        parallel) vLLM starts worker processes and the logits come back from
+        them.
 
         Args:
             model_name: A hub name or a local model folder.

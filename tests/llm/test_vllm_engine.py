@@ -113,6 +113,11 @@ def test_a_mixed_group_runs_one_kind_after_the_other(loop, engine):
     assert engine.steps == [[outputs[0], outputs[2]], [outputs[1], outputs[3]]]
 
 
+def test_an_empty_group_is_answered_at_once(loop, engine):
+    assert loop.run([], request_ids).result(LIMIT) == []
+    assert engine.steps == []
+
+
 def test_a_failed_step_fails_the_running_groups_and_the_loop_goes_on(loop, engine):
     discarded = []
     engine.fail_next_step = True

@@ -110,7 +110,7 @@ class EngineLoop:
         """Put `requests` into the engine; the future resolves when all have finished.
 
         Args:
-            requests: The requests (at least one).
+            requests: The requests.
             finish: Called on the engine thread with the requests' `RequestOutput`s,
                 in order; its return value is the future's result.
             discard: Called on the engine thread instead of `finish` when the
@@ -174,8 +174,12 @@ class EngineLoop:
                 return False
             if isinstance(item, _Call):
                 self._call(item)
-            elif item.future.set_running_or_notify_cancel():
+            elif not item.future.set_running_or_notify_cancel():
+                continue
+            elif item.requests:
                 self._pending.extend((item, i) for i in range(len(item.requests)))
+            else:
+                self._finish(item)
         self._admit()
         if self._running:
             self._step()

@@ -26,7 +26,8 @@ over repeats), the mean, the median per-step CPU time of the process (less
 sensitive to other processes on a shared machine; a batch timeout waits without
 CPU), the overhead over the floor (backend - floor medians, ms, wall and CPU)
 and the wall ratio, and the torch operations dispatched per step (median over
-steps of one untimed run). `AsyncTransformer` rows run torch with one thread by
+steps of one untimed run). Within a repeat the settings run one after another,
+starting at a different one each repeat. `AsyncTransformer` rows run torch with one thread by
 default (`--threads`): the tiny models gain nothing from more, and the figures
 stay stable when other processes share the cores. vLLM's CPU build binds its
 own threads (printed), so the vLLM rows run after all the others. Operations are counted with a
@@ -261,9 +262,12 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
         once(setting)
     # Per run: median wall, mean wall, median CPU seconds per step.
     runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
-    for _ in range(repeats):
-        for name, setting in settings.items():
-            costs = once(setting)
+    names = list(settings)
+    for repeat in range(repeats):
+        # Each repeat starts at another setting, so none always runs right after the floor.
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            costs = once(settings[name])
             wall = [cost[0] for cost in costs]
             runs[name].append(
                 (statistics.median(wall), statistics.fmean(wall), median_of(costs, 1))

@@ -443,12 +443,13 @@ class AsyncVirtualLM(AsyncLM):
     def _run_logprobs(self, queries: list[tuple]) -> Future:
         """Put one request per query into the engine; the future gives their rows."""
         from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         tags = [next(_capture_tags) for _ in queries]
         requests = [
             EngineRequest(
-                ids,
+                tokens_input(list(ids)),
                 SamplingParams(
                     max_tokens=1,
                     temperature=1.0,
@@ -475,11 +476,12 @@ class AsyncVirtualLM(AsyncLM):
     def _run_samples(self, requests: list[_SampleRequest]) -> Future:
         """Put the sampling requests into the engine; the future gives their tokens."""
         from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         engine_requests = [
             EngineRequest(
-                request.prompt,
+                tokens_input(list(request.prompt)),
                 SamplingParams(
                     max_tokens=request.max_tokens,
                     temperature=request.temperature,

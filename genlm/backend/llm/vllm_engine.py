@@ -25,12 +25,12 @@ class EngineRequest(NamedTuple):
     """One request for the engine.
 
     Attributes:
-        prompt: The prompt's token ids.
+        prompt: The prompt, as an engine input (`vllm.inputs.engine.tokens_input(ids)`).
         params: Its `vllm.SamplingParams` (with `output_kind=FINAL_ONLY`).
         lora: Its `LoRARequest`, or `None` for the base model.
     """
 
-    prompt: tuple[int, ...]
+    prompt: Any
     params: Any
     lora: Any
 
@@ -231,7 +231,7 @@ class EngineLoop:
         try:
             self._engine.add_request(
                 request_id,
-                {"prompt_token_ids": list(request.prompt)},
+                request.prompt,
                 request.params,
                 lora_request=request.lora,
             )

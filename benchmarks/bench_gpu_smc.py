@@ -229,8 +229,8 @@ def vllm_rows(folder: str, device: str, dtype: torch.dtype, args: Any, judged: b
     base = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512, "seed": 0}
     if device.startswith("cuda"):
         base["gpu_memory_utilization"] = args.gpu_memory_utilization
+    print(f"vLLM model runner: {args.runner}", flush=True)
     for label, extra in (("vLLM default", {}), ("vLLM eager", {"enforce_eager": True})):
-        label = f"{label} {args.runner}"
         start = time.perf_counter()
         lm = AsyncVirtualLM.from_name(folder, engine_opts=base | extra)
         print(f"{label}: engine start {time.perf_counter() - start:.1f} s", flush=True)

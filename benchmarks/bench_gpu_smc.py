@@ -33,9 +33,9 @@ is not installed here, so its column is left out (run it separately).
 
 Run: `HF_HUB_OFFLINE=1 PYTHONPATH=benchmarks python benchmarks/bench_gpu_smc.py
 [--device cuda] [--repeats 3] [--skip-vllm] [--skip-hf] [--gpu-memory-utilization 0.4]
-[--tiny] [--runner v1|v2]` (`--tiny`: a 2-layer model of the same kind, for a smoke run
-on CPU; `--runner v2`: vLLM's V2 model runner with the backend's V2 capture, which has
-not run on a GPU yet; run the script once per runner).
+[--tiny] [--runner auto|v1|v2]` (`--tiny`: a 2-layer model of the same kind, for a smoke
+run on CPU; `--runner`: vLLM's model runner, by default vLLM's own choice, which is V2 on
+CUDA, whose capture has not run on a GPU yet; run the script once per runner to compare).
 """
 
 from __future__ import annotations
@@ -222,18 +222,22 @@ def vllm_row(lm: Any, label: str, clock: Callable[[], Stamp], repeats: int, judg
 def vllm_rows(folder: str, device: str, dtype: torch.dtype, args: Any, judged: bool) -> None:
     """One engine with vLLM's default settings, then one with `enforce_eager=True`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the table readable
-    # Read when each engine is configured; `from_name` leaves a value set here alone.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    # Read when each engine is configured; unset, vLLM picks (V2 on CUDA, V1 on the CPU build).
+    if args.runner != "auto":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     from genlm.backend.llm.vllm import AsyncVirtualLM
 
     base = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512, "seed": 0}
     if device.startswith("cuda"):
         base["gpu_memory_utilization"] = args.gpu_memory_utilization
-    print(f"vLLM model runner: {args.runner}", flush=True)
     for label, extra in (("vLLM default", {}), ("vLLM eager", {"enforce_eager": True})):
         start = time.perf_counter()
         lm = AsyncVirtualLM.from_name(folder, engine_opts=base | extra)
-        print(f"{label}: engine start {time.perf_counter() - start:.1f} s", flush=True)
+        runner = "V2" if lm.llm_engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
+        print(
+            f"{label}: engine start {time.perf_counter() - start:.1f} s, {runner} model runner",
+            flush=True,
+        )
         try:
             vllm_row(lm, label, make_clock(device), args.repeats, judged)
         finally:
@@ -259,9 +263,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument(
         "--runner",
-        choices=["v1", "v2"],
-        default="v1",
-        help="vLLM's model runner (v2 needs Triton, i.e. a GPU; the backend's default is v1)",
+        choices=["auto", "v1", "v2"],
+        default="auto",
+        help="vLLM's model runner (auto: vLLM's choice, as the backend; v2 needs a GPU)",
     )
     args = parser.parse_args()
     device = args.device

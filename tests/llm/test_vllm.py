@@ -177,6 +177,7 @@ async def test_a_gather_beyond_batch_size_enters_the_engine_together(vllm_lm, re
 
 def test_batch_sync_recomputes_in_order(make_lm, reference, rounds):
     lm = make_lm(cache_size=10)
+    rounds.clear()  # its startup check
     queries = [PROMPTS[1], PROMPTS[0], PROMPTS[1]]
     first = lm.batch_next_token_logprobs_sync(queries)
     second = lm.batch_next_token_logprobs_sync(queries)
@@ -187,6 +188,7 @@ def test_batch_sync_recomputes_in_order(make_lm, reference, rounds):
 
 async def test_cache_hits_skip_the_engine(make_lm, reference, rounds):
     lm = make_lm(cache_size=10)
+    rounds.clear()  # its startup check
     first = await lm.next_token_logprobs(PROMPTS[0])
     again = await lm.next_token_logprobs(PROMPTS[0])
     again_sync = lm.next_token_logprobs_sync(PROMPTS[0])
@@ -403,6 +405,26 @@ async def test_results_belong_to_the_caller_and_empty_batches(make_lm, reference
     assert_matches(await lm.next_token_logprobs(prompt), reference(prompt))
     for rows in (await lm.batch_next_token_logprobs([]), lm.batch_next_token_logprobs_sync([])):
         assert rows.shape == (0, lm.vocab_size) and rows.dtype == torch.float32
+
+
+def test_a_capture_that_reads_the_wrong_rows_is_refused_at_startup(vllm_lm):
+    class ShiftedCapture(GlobalLogprobsCapture):
+        """Returns each row one token off, as a capture wired to the wrong place would."""
+
+        def take(self, tags, strict=True):
+            return [row.roll(1) for row in super().take(tags, strict)]
+
+    capture = ShiftedCapture()
+    try:
+        with pytest.raises(RuntimeError, match="differ from vLLM's own"):
+            AsyncVirtualLM(vllm_lm.llm_engine, capture)
+    finally:  # it must not keep recording for the module's engine
+        vllm_lm.llm_engine.collective_rpc(
+            lambda worker: worker.model_runner.input_batch.logitsprocs.argmax_invariant.remove(
+                capture
+            )
+        )
+    assert AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture).vocab_size == 49152
 
 
 def test_hash_to_int_is_deterministic_and_in_range():

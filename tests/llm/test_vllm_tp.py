@@ -125,6 +125,7 @@ async def test_concurrent_queries_enter_together_duplicates_once(tp_lm, referenc
 
 async def test_cache_and_seeded_sampling(tp_lm, rounds):
     lm = AsyncVirtualLM(tp_lm.llm_engine, tp_lm.logprobs_capture, cache_size=4)
+    rounds.clear()  # its startup check
     first = await lm.next_token_logprobs(PROMPTS[1])
     assert torch.equal(await lm.next_token_logprobs(PROMPTS[1]), first)
     assert len(rounds) == 1

@@ -40,6 +40,7 @@ from genlm.backend.llm.vllm_logits import (
     EXTENSION,
     GlobalLogprobsCapture,
     LogprobsWorkerExtension,
+    hook_error,
     import_vllm,
     logits_source,
     shutdown_engine,
@@ -49,6 +50,11 @@ __all__ = ["AsyncVirtualLM", "GlobalLogprobsCapture", "LogprobsWorkerExtension"]
 
 # Capture tags, unique in this process: several models may share one engine and capture.
 _capture_tags = itertools.count()
+# The startup check compares this many of vLLM's own top log-probabilities with the capture's.
+_CHECKED_LOGPROBS = 5
+# Largest spread, in nats, of (captured - vLLM's own) over those tokens: both are float32
+# log-softmaxes of the same logits (measured spread ~1e-6); a wrong row is off by ~1 or more.
+_CHECK_TOLERANCE = 1e-3
 
 
 class _SampleRequest(NamedTuple):
@@ -83,7 +89,9 @@ class AsyncVirtualLM(AsyncLM):
         timeout: Seconds after the oldest waiting query that trigger a batch.
 
     Raises:
-        RuntimeError: If this vLLM version lacks the internals the capture needs.
+        RuntimeError: If this vLLM version lacks the internals the capture needs,
+            or if a row it captures differs from vLLM's own log-probabilities
+            (checked once, on a 4-token prompt, when the model is created).
         ValueError: If a multi-process engine lacks the worker extension.
     """
 
@@ -110,6 +118,7 @@ class AsyncVirtualLM(AsyncLM):
         )
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
         self._closed = False
+        self._check_capture()
 
     @classmethod
     def from_name(
@@ -117,14 +126,14 @@ class AsyncVirtualLM(AsyncLM):
     ) -> AsyncVirtualLM:
         """Start a vLLM engine for `model_name`, its engine core in this process.
 
-        Sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` and, unless already set,
-        `VLLM_USE_V2_MODEL_RUNNER=0`: the capture in the V1 model runner is
-        the one tested on an engine. Set `VLLM_USE_V2_MODEL_RUNNER=1` for
-        vLLM's V2 runner (it needs Triton, so a GPU); its capture wraps the
-        runner's sampler and has not yet run on a GPU. With one worker the
-        model runs in this process too; with several (tensor or pipeline
-        parallel) vLLM starts worker processes and the logits come back from
-        them.
+        Sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`. vLLM picks its model runner
+        as usual (`VLLM_USE_V2_MODEL_RUNNER` decides if set): V2 on CUDA for
+        most models, V1 on the CPU build. The capture fits both; on the V2
+        runner it has not yet run on a GPU, and the startup check (see the
+        class) turns a capture that reads the wrong rows into a
+        `RuntimeError`. With one worker the model runs in this process too;
+        with several (tensor or pipeline parallel) vLLM starts worker
+        processes and the logits come back from them.
 
         Args:
             model_name: A hub name or a local model folder.
@@ -148,7 +157,6 @@ class AsyncVirtualLM(AsyncLM):
             ImportError: If vLLM is not installed.
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
@@ -433,6 +441,56 @@ class AsyncVirtualLM(AsyncLM):
         self._check_open()
         lora = self._lora_request(lora_name)
         return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
+
+    def _check_capture(self) -> None:
+        """Compare one captured row with vLLM's own top log-probabilities of that request.
+
+        Only differences between tokens are compared, so engines that report
+        logits (`logprobs_mode`) pass too.
+
+        Raises:
+            RuntimeError: If they differ: the capture reads the wrong rows.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        limit = self.llm_engine.llm_engine.model_config.max_logprobs
+        count = _CHECKED_LOGPROBS if limit < 0 else min(_CHECKED_LOGPROBS, limit)
+        if count < 2:  # the engine reports too little to compare
+            return
+        tag = next(_capture_tags)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=1.0,
+            logprobs=count,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={CAPTURE_TAG: tag},
+        )
+        request = EngineRequest(tokens_input(list(range(4))), params, None)
+
+        def finish(outputs: list) -> tuple[torch.Tensor, dict]:
+            (row,) = self._logits.take([tag])
+            return row, outputs[0].outputs[0].logprobs[0]
+
+        def discard() -> None:
+            self._logits.take([tag], discard=True)
+
+        row, reported = self._engine.run([request], finish, discard).result()
+        token_ids = list(reported)
+        captured = row[token_ids].double().cpu()
+        own = torch.tensor([reported[t].logprob for t in token_ids], dtype=torch.float64)
+        offsets = captured - own
+        spread = (offsets.max() - offsets.min()).item()
+        if not spread <= _CHECK_TOLERANCE:
+            raise RuntimeError(
+                hook_error(
+                    f"its captured log-probabilities differ from vLLM's own by up to "
+                    f"{spread:.3g} nats (tokens {token_ids}); with the V2 model runner, "
+                    "try VLLM_USE_V2_MODEL_RUNNER=0"
+                )
+            )
 
     async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
         return await asyncio.wrap_future(self._run_logprobs(queries))

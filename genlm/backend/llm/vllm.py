@@ -24,6 +24,7 @@ import asyncio
 import gc
 import hashlib
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -34,7 +35,7 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import AsyncLM, check_sampling_args, check_token_ids
-from genlm.backend.llm.vllm_engine import EngineRequest, engine_loop
+from genlm.backend.llm.vllm_engine import EngineRequest, close_engine_loop, engine_loop
 from genlm.backend.llm.vllm_logits import (
     CAPTURE_TAG,
     EXTENSION,
@@ -44,9 +45,12 @@ from genlm.backend.llm.vllm_logits import (
     import_vllm,
     logits_source,
     shutdown_engine,
+    vllm_chose_v2_runner,
 )
 
 __all__ = ["AsyncVirtualLM", "GlobalLogprobsCapture", "LogprobsWorkerExtension"]
+
+logger = logging.getLogger(__name__)
 
 # Capture tags, unique in this process: several models may share one engine and capture.
 _capture_tags = itertools.count()
@@ -128,12 +132,14 @@ class AsyncVirtualLM(AsyncLM):
 
         Sets `VLLM_ENABLE_V1_MULTIPROCESSING=0`. vLLM picks its model runner
         as usual (`VLLM_USE_V2_MODEL_RUNNER` decides if set): V2 on CUDA for
-        most models, V1 on the CPU build. The capture fits both; on the V2
-        runner it has not yet run on a GPU, and the startup check (see the
-        class) turns a capture that reads the wrong rows into a
-        `RuntimeError`. With one worker the model runs in this process too;
-        with several (tensor or pipeline parallel) vLLM starts worker
-        processes and the logits come back from them.
+        most models, V1 on the CPU build. The capture fits both, but on the
+        V2 runner it has not yet run on a GPU: if vLLM chose V2 by itself and
+        the model fails its startup check (see the class), the engine is shut
+        down and started again with `VLLM_USE_V2_MODEL_RUNNER=0` (a warning
+        says so; the setting stays for later engines of the process). With
+        one worker the model runs in this process too; with several (tensor
+        or pipeline parallel) vLLM starts worker processes and the logits
+        come back from them.
 
         Args:
             model_name: A hub name or a local model folder.
@@ -155,6 +161,8 @@ class AsyncVirtualLM(AsyncLM):
 
         Raises:
             ImportError: If vLLM is not installed.
+            RuntimeError: If the capture cannot read this engine's logits
+                (the engine is shut down).
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = import_vllm()
@@ -172,7 +180,33 @@ class AsyncVirtualLM(AsyncLM):
                 options["kv_cache_memory_bytes"] = min(2 << 30, available // 4)
         options.update(engine_opts)
         llm = vllm.LLM(model=model_name, **options)
-        return cls(llm, GlobalLogprobsCapture(), **kwargs)
+        try:
+            return cls(llm, GlobalLogprobsCapture(), **kwargs)
+        except Exception as exc:
+            may_fall_back = vllm_chose_v2_runner(llm)
+            _discard_engine(llm)
+            if not may_fall_back:
+                raise
+            logger.warning(
+                "genlm-backend: the logits capture failed its startup check on vLLM's V2 "
+                "model runner (%s); starting the engine again with "
+                "VLLM_USE_V2_MODEL_RUNNER=0 for this process",
+                exc,
+            )
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():  # so the next engine's memory check sees it free
+            torch.cuda.empty_cache()
+        from vllm import envs as vllm_envs
+
+        vllm_envs.disable_envs_cache()  # its first engine froze the settings it had read
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        llm = vllm.LLM(model=model_name, **options)
+        try:
+            return cls(llm, GlobalLogprobsCapture(), **kwargs)
+        except Exception:
+            _discard_engine(llm)
+            raise
 
     @property
     def batch_size(self) -> int:
@@ -408,10 +442,9 @@ class AsyncVirtualLM(AsyncLM):
             return
         self._closed = True
         self.reset_async_queries()
-        self._engine.close()
         self.cache.clear()
         self.logprobs_capture.clear()
-        shutdown_engine(self.llm_engine)
+        _discard_engine(self.llm_engine)
         self.llm_engine = self._logits = self._engine = None
         gc.collect()
 
@@ -561,6 +594,12 @@ class AsyncVirtualLM(AsyncLM):
             ]
 
         return self._engine.run(engine_requests, finish)
+
+
+def _discard_engine(llm: Any) -> None:
+    """Stop the loop that drives `llm`'s engine and shut the engine down."""
+    close_engine_loop(llm)
+    shutdown_engine(llm)
 
 
 def _until_stop(token_ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:

@@ -315,3 +315,14 @@ def engine_loop(llm: Any) -> EngineLoop:
             loop = EngineLoop(llm)
             setattr(llm, _LOOP_ATTRIBUTE, loop)
         return loop
+
+
+def close_engine_loop(llm: Any) -> None:
+    """Close the loop that drives `llm`'s engine, if it has one.
+
+    Args:
+        llm: A `vllm.LLM`.
+    """
+    loop = getattr(llm, _LOOP_ATTRIBUTE, None)
+    if loop is not None:
+        loop.close()

@@ -369,6 +369,12 @@ def shutdown_engine(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def vllm_chose_v2_runner(llm: Any) -> bool:
+    """Whether the engine runs vLLM's V2 model runner without `VLLM_USE_V2_MODEL_RUNNER` set."""
+    chosen = "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    return chosen and bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
+
+
 def hook_error(detail: str) -> str:
     version = getattr(import_vllm(), "__version__", "unknown")
     return (

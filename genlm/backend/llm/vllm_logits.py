@@ -40,8 +40,10 @@ def import_vllm() -> Any:
 class GlobalLogprobsCapture:
     """A vLLM logits processor that records full-vocabulary log-probabilities.
 
-    It sees the logits of every request the sampler handles (after the
-    request's temperature is applied) and changes nothing. It keeps the
+    It sees the logits of every request the sampler handles (in the V1
+    model runner after the request's temperature is applied, in the V2
+    runner before; the backend's own requests use temperature 1) and changes
+    nothing. It keeps the
     log-softmax of the latest batch, and, for requests whose
     `SamplingParams.extra_args` carry a capture tag, the latest row of that
     request: for a request with `max_tokens=1` that is the next-token

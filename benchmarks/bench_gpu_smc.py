@@ -171,23 +171,13 @@ def hf_rows(folder: str, device: str, dtype: torch.dtype, repeats: int, judged: 
         report(f"transformers T={steps}", per_step_ms(runs, repeats), judged)
 
 
-def detach(model_runner: Any, capture: Any) -> None:
-    """Undo `add_to_sampler`: the V1 runner's processor list, or the V2 runner's wrapper."""
-    from genlm.backend.llm.vllm_logits import CapturingSampler
-
-    if isinstance(model_runner.sampler, CapturingSampler):
-        model_runner.sampler = model_runner.sampler.sampler
-    else:
-        model_runner.input_batch.logitsprocs.argmax_invariant.remove(capture)
-
-
 @contextmanager
 def capture_detached(lm: Any) -> Iterator[None]:
     """Take the backend's logits capture out of the engine's sampler for a while."""
-    from genlm.backend.llm.vllm_logits import add_to_sampler
+    from genlm.backend.llm.vllm_logits import add_to_sampler, remove_from_sampler
 
     capture = lm.logprobs_capture
-    lm.llm_engine.collective_rpc(lambda worker: detach(worker.model_runner, capture))
+    lm.llm_engine.collective_rpc(lambda worker: remove_from_sampler(worker.model_runner, capture))
     try:
         yield
     finally:

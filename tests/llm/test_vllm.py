@@ -25,6 +25,7 @@ from genlm.backend.llm.vllm import (  # noqa: E402
     GlobalLogprobsCapture,
     LogprobsWorkerExtension,
 )
+from genlm.backend.llm.vllm_logits import remove_from_sampler  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(assets.cache_root() / "vllm"))
@@ -420,9 +421,7 @@ def test_a_capture_that_reads_the_wrong_rows_is_refused_at_startup(vllm_lm):
             AsyncVirtualLM(vllm_lm.llm_engine, capture)
     finally:  # it must not keep recording for the module's engine
         vllm_lm.llm_engine.collective_rpc(
-            lambda worker: worker.model_runner.input_batch.logitsprocs.argmax_invariant.remove(
-                capture
-            )
+            lambda worker: remove_from_sampler(worker.model_runner, capture)
         )
     assert AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture).vocab_size == 49152
 
@@ -561,6 +560,12 @@ def test_v2_runner_sampler_records_rows_by_slot():
     last_stage_only = SimpleNamespace(sampler=None, req_states=object())
     add_to_sampler(last_stage_only, capture)
     assert last_stage_only.sampler is None
+    second = GlobalLogprobsCapture()
+    add_to_sampler(runner, second)  # wraps the wrapper
+    remove_from_sampler(runner, capture)  # the inner one goes, the outer one stays
+    assert runner.sampler.capture is second and runner.sampler.sampler is sampler
+    remove_from_sampler(runner, second)
+    assert runner.sampler is sampler
 
 
 def test_the_installed_v2_runner_has_what_the_wrapper_uses():

@@ -72,8 +72,10 @@ async def test_a_failed_check_on_a_v2_runner_vllm_chose_restarts_the_engine_on_v
 
 
 def test_a_failed_check_otherwise_raises_and_shuts_the_engine_down(
-    tiny_llama_path, vllm_engine_opts, checks
+    tiny_llama_path, vllm_engine_opts, checks, monkeypatch
 ):
+    # As on the CPU build, or with a runner the user chose (on CUDA vLLM would pick V2).
+    monkeypatch.setattr(vllm_module, "vllm_chose_v2_runner", lambda llm: False)
     with pytest.raises(RuntimeError, match="differ from vLLM's own"):
         AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(OPTS))
     assert len(checks) == 1 and loop_closed(checks[0])

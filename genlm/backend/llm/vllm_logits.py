@@ -242,6 +242,21 @@ def add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
         model_runner.sampler = CapturingSampler(sampler, capture)
 
 
+def remove_from_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
+    """Undo `add_to_sampler`: `capture` records nothing more (other captures stay)."""
+    logitsprocs = getattr(getattr(model_runner, "input_batch", None), "logitsprocs", None)
+    if logitsprocs is not None:
+        if capture in logitsprocs.argmax_invariant:
+            logitsprocs.argmax_invariant.remove(capture)
+        return
+    outer, sampler = model_runner, getattr(model_runner, "sampler", None)
+    while isinstance(sampler, CapturingSampler):
+        if sampler.capture is capture:
+            outer.sampler = sampler.sampler  # unwrap: the runner, or the wrapper above
+            return
+        outer, sampler = sampler, sampler.sampler
+
+
 class CapturingSampler:
     """Wraps the V2 model runner's sampler: records each step's logits, then samples.
 

@@ -180,11 +180,10 @@ class AsyncVirtualLM(AsyncLM):
                 options["kv_cache_memory_bytes"] = min(2 << 30, available // 4)
         options.update(engine_opts)
         llm = vllm.LLM(model=model_name, **options)
+        may_fall_back = vllm_chose_v2_runner(llm)
         try:
-            return cls(llm, GlobalLogprobsCapture(), **kwargs)
+            return cls._wrap_or_discard(llm, kwargs)
         except Exception as exc:
-            may_fall_back = vllm_chose_v2_runner(llm)
-            _discard_engine(llm)
             if not may_fall_back:
                 raise
             logger.warning(
@@ -201,7 +200,11 @@ class AsyncVirtualLM(AsyncLM):
 
         vllm_envs.disable_envs_cache()  # its first engine froze the settings it had read
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        llm = vllm.LLM(model=model_name, **options)
+        return cls._wrap_or_discard(vllm.LLM(model=model_name, **options), kwargs)
+
+    @classmethod
+    def _wrap_or_discard(cls, llm: Any, kwargs: dict) -> AsyncVirtualLM:
+        """The model over `llm` with a capture of its own; `llm` is shut down if that fails."""
         try:
             return cls(llm, GlobalLogprobsCapture(), **kwargs)
         except Exception:
@@ -484,24 +487,12 @@ class AsyncVirtualLM(AsyncLM):
         Raises:
             RuntimeError: If they differ: the capture reads the wrong rows.
         """
-        from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
         limit = self.llm_engine.llm_engine.model_config.max_logprobs
         count = _CHECKED_LOGPROBS if limit < 0 else min(_CHECKED_LOGPROBS, limit)
         if count < 2:  # the engine reports too little to compare
             return
         tag = next(_capture_tags)
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=1.0,
-            logprobs=count,
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args={CAPTURE_TAG: tag},
-        )
-        request = EngineRequest(tokens_input(list(range(4))), params, None)
+        request = _captured_request(range(4), None, tag, logprobs=count)
 
         def finish(outputs: list) -> tuple[torch.Tensor, dict]:
             (row,) = self._logits.take([tag])
@@ -533,25 +524,9 @@ class AsyncVirtualLM(AsyncLM):
 
     def _run_logprobs(self, queries: list[tuple]) -> Future:
         """Put one request per query into the engine; the future gives their rows."""
-        from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
         tags = [next(_capture_tags) for _ in queries]
-        requests = [
-            EngineRequest(
-                tokens_input(list(ids)),
-                SamplingParams(
-                    max_tokens=1,
-                    temperature=1.0,
-                    detokenize=False,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
-                    extra_args={CAPTURE_TAG: tag},
-                ),
-                lora,
-            )
-            for (lora, ids), tag in zip(queries, tags, strict=True)
-        ]
+        pairs = zip(queries, tags, strict=True)
+        requests = [_captured_request(ids, lora, tag) for (lora, ids), tag in pairs]
 
         def finish(_outputs: list) -> list[torch.Tensor]:
             rows = self._logits.take(tags)
@@ -594,6 +569,25 @@ class AsyncVirtualLM(AsyncLM):
             ]
 
         return self._engine.run(engine_requests, finish)
+
+
+def _captured_request(
+    token_ids: Sequence[int], lora: Any, tag: int, logprobs: int | None = None
+) -> EngineRequest:
+    """A one-token request whose next-token row the capture records under `tag`."""
+    from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=1.0,
+        logprobs=logprobs,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        extra_args={CAPTURE_TAG: tag},
+    )
+    return EngineRequest(tokens_input(list(token_ids)), params, lora)
 
 
 def _discard_engine(llm: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -193,3 +194,54 @@ def test_readers_in_other_threads_never_see_a_reused_slot():
     for thread in threads:
         thread.join()
     assert wrong == []
+
+
+def test_random_operations_agree_with_a_plain_lru_map():
+    # Batches of varying sizes, reads, overwrites, removals and clears, against an
+    # OrderedDict of private copies with the documented LRU rules.
+    generator = torch.Generator().manual_seed(0)
+    randint = lambda high: int(torch.randint(high, (), generator=generator))  # noqa: E731
+    cache, reference, maxsize = OutputCache(maxsize=12), OrderedDict(), 12
+    for step in range(400):
+        action = randint(10)
+        if action < 6:  # a batch, some keys new, some stored before
+            keys = list(dict.fromkeys((randint(40),) for _ in range(1 + randint(7))))
+            rows = torch.randn(len(keys), 5, generator=generator)
+            cache.store_rows(keys, rows)
+            for key, row in zip(keys, rows, strict=True):
+                reference.pop(key, None)
+                reference[key] = row.clone()
+            while len(reference) > maxsize:
+                reference.popitem(last=False)
+        elif action < 9:  # a read refreshes the entry
+            key = (randint(40),)
+            value = cache.get(key)
+            assert (value is None) == (key not in reference)
+            if value is not None:
+                assert torch.equal(value, reference[key])
+                reference.move_to_end(key)
+        elif step % 3:
+            odd = cache.remove_if(lambda key: key[0] % 2 == 1)
+            assert odd == sum(key[0] % 2 for key in reference)
+            reference = OrderedDict((k, v) for k, v in reference.items() if k[0] % 2 == 0)
+        else:
+            cache.clear()
+            reference.clear()
+        assert list(cache._entries) == list(reference)
+    for key, row in reference.items():
+        assert torch.equal(cache[key], row)
+
+
+def test_batches_evicted_in_order_are_stored_in_consecutive_slots():
+    # A sampler's steps (no reads, sizes varying with resampling): each batch takes the
+    # slots the oldest entries left, in one run (two where the ring of slots wraps).
+    cache = OutputCache(maxsize=64)
+    sizes = [32, 20, 27, 32, 9, 31, 25, 32, 18, 30] * 3
+    for step, size in enumerate(sizes):
+        cache.store_rows([(step, i) for i in range(size)], torch.zeros(size, 4))
+        (pool,) = cache._pools.values()
+        slots = [cache._entries[(step, i)][1] for i in range(size)]
+        capacity = pool.rows.shape[0]
+        start = next((s for s in slots if (s - 1) % capacity not in slots), slots[0])
+        interval = {(start + k) % capacity for k in range(size)}
+        assert set(slots) == interval, (step, slots)

@@ -12,20 +12,31 @@ from dataclasses import dataclass
 import torch
 
 
+# A stored batch is copied run by run of consecutive slots up to this many runs, else
+# in one `index_copy_`: on the CPU `index_copy_` took 0.52-0.69 ms for 32 rows of 49,152
+# floats where one contiguous copy took 0.19 ms and 32 one-row copies 0.59 ms; on an
+# accelerator each run is one more kernel launch.
+_MAX_RUN_COPIES = 8
+
+
 class _RowPool:
     """Stored rows of one shape, dtype and device, in one tensor that grows by doubling.
 
     Slots freed by evicted entries are reused, so storing copies into memory
     that is already mapped: a fresh tensor per stored batch would be
     page-faulted in anew each time (for a sampler's step of 32 rows of a
-    50,000-token vocabulary, about as long as the copy itself).
+    50,000-token vocabulary, about as long as the copy itself). Slots are
+    handed out in ring order from where the last batch ended: entries are
+    mostly evicted in the order they were stored, so the slots a batch gets
+    are the ones the oldest entries just left, usually one run.
     """
 
-    __slots__ = ("rows", "free")
+    __slots__ = ("rows", "free", "cursor")
 
     def __init__(self, like: torch.Tensor, capacity: int):
         self.rows = like.new_empty((capacity, *like.shape[1:]))
-        self.free = list(range(capacity - 1, -1, -1))  # taken from the end
+        self.free = list(range(capacity))
+        self.cursor = 0  # the slot after the last batch's
 
     def put(self, values: torch.Tensor, limit: int) -> list[int]:
         """Copy the rows of `values` into free slots; returns the slots.
@@ -33,20 +44,37 @@ class _RowPool:
         The tensor grows when too few slots are free, to at most `limit` rows.
         """
         n = values.shape[0]
+        capacity = self.rows.shape[0]
         if len(self.free) < n:
-            capacity = self.rows.shape[0]
             size = max(min(2 * capacity, limit), capacity - len(self.free) + n)
             grown = self.rows.new_empty((size, *self.rows.shape[1:]))
             grown[:capacity].copy_(self.rows)
             self.rows = grown
-            self.free[:0] = range(grown.shape[0] - 1, capacity - 1, -1)
-        slots = sorted(self.free[len(self.free) - n :])
-        del self.free[len(self.free) - n :]
-        if slots == list(range(slots[0], slots[0] + n)):
-            self.rows.narrow(0, slots[0], n).copy_(values)
+            self.free += range(capacity, size)
+            self.cursor, capacity = capacity, size
+        cursor = self.cursor
+        self.free.sort(key=lambda slot: (slot - cursor) % capacity)
+        slots = self.free[:n]
+        del self.free[:n]
+        self.cursor = (slots[-1] + 1) % capacity
+        runs = _runs(slots)
+        if len(runs) <= _MAX_RUN_COPIES:
+            for start, offset, length in runs:
+                self.rows.narrow(0, start, length).copy_(values.narrow(0, offset, length))
         else:
             self.rows.index_copy_(0, torch.tensor(slots, device=self.rows.device), values)
         return slots
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """`slots` as runs of consecutive ones: `(first slot, position in slots, length)`."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for position in range(1, len(slots) + 1):
+        if position == len(slots) or slots[position] != slots[position - 1] + 1:
+            runs.append((slots[start], start, position - start))
+            start = position
+    return runs
 
 
 class OutputCache:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # A stored batch is copied run by run of consecutive slots up to this many runs, else
 # in one `index_copy_`: on the CPU `index_copy_` took 0.52-0.69 ms for 32 rows of 49,152
 # floats where one contiguous copy took 0.19 ms and 32 one-row copies 0.59 ms; on an

@@ -507,6 +507,30 @@ def test_capture_normalises_half_precision_logits_in_float32():
     assert (torch.log_softmax(logits[0], -1).float() - row).abs().max() > 1e-2
 
 
+def test_capture_compacts_rows_taken_from_a_step_shared_with_other_requests():
+    # What a worker sends to another process: only the rows asked for, not its whole step.
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    capture = GlobalLogprobsCapture()
+    added = [
+        (slot, SamplingParams(extra_args={"genlm_capture_tag": slot}), [1], []) for slot in range(4)
+    ]
+    capture.update_state(BatchUpdate(4, removed=[], added=added, moved=[]))
+    logits = torch.randn(4, 11)
+    capture.apply(logits)
+    expected = torch.log_softmax(logits, -1)
+    rows = capture.take([3, 1], compact=True)
+    for row, slot in zip(rows, [3, 1], strict=True):
+        torch.testing.assert_close(row, expected[slot])
+        assert row.untyped_storage().nbytes() == 2 * 11 * 4  # the two rows, nothing else
+    rows = capture.take([2, 0], compact=True)  # the rest of the step, in another order
+    torch.testing.assert_close(torch.stack(rows), expected[[2, 0]])
+    capture.apply(logits)
+    whole = capture.take([0, 1, 2, 3], compact=True)  # the whole step: nothing to leave out
+    torch.testing.assert_close(torch.stack(whole), expected)
+
+
 class StandInV2Sampler:
     """Records what reaches it, with vLLM 0.26.0's `add_request(slot, prompt_len, params)`."""
 

@@ -118,7 +118,9 @@ class GlobalLogprobsCapture:
             logits: A 2-D tensor, one row per request.
             slots: The batch slot of each row.
         """
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        # vLLM samples in inference mode; rows made there could not be changed by callers.
+        with torch.inference_mode(False):
+            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         row_of_slot = {int(slot): row for row, slot in enumerate(slots)}
         with self._lock:
             self._latest = logprobs
@@ -155,12 +157,20 @@ class GlobalLogprobsCapture:
                 raise RuntimeError("no logits recorded yet")
             return self._latest
 
-    def take(self, tags: Sequence[Hashable], strict: bool = True) -> list[torch.Tensor]:
+    def take(
+        self, tags: Sequence[Hashable], strict: bool = True, compact: bool = False
+    ) -> list[torch.Tensor]:
         """Remove and return the rows recorded for the requests tagged `tags`.
+
+        The rows are views of their step's log-softmax (which `get_all_logprobs`
+        also returns while that step is the latest); nothing is copied.
 
         Args:
             tags: Capture tags, as put in `SamplingParams.extra_args`.
             strict: Raise if a tag has no row (else it is skipped).
+            compact: When a step also holds rows of other requests, copy the
+                rows taken from it into a tensor of their own (one copy per step),
+                e.g. before they are sent to another process.
 
         Returns:
             One 1-D tensor per tag found, in order.
@@ -176,8 +186,6 @@ class GlobalLogprobsCapture:
             raise RuntimeError(
                 hook_error(f"no logits were recorded for {missing} of {len(tags)} requests")
             )
-        # One copy per recorded step (usually one for all tags), not one per row: the
-        # rows are views of a tensor of their own, which nothing else holds.
         by_step: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for position, row in enumerate(found):
             if row is not None:
@@ -187,9 +195,12 @@ class GlobalLogprobsCapture:
                 entry[2].append(index)
         rows: list[torch.Tensor | None] = [None] * len(found)
         for step, positions, indices in by_step.values():
-            picked = step.index_select(0, torch.tensor(indices, device=step.device))
-            for position, row in zip(positions, picked.unbind(0), strict=True):
-                rows[position] = row
+            if compact and len(indices) < step.shape[0]:
+                step = step.index_select(0, torch.tensor(indices, device=step.device))
+                indices = range(len(indices))
+            views = step.unbind(0)
+            for position, index in zip(positions, indices, strict=True):
+                rows[position] = views[index]
         return [row for row in rows if row is not None]
 
     def clear(self) -> None:
@@ -323,7 +334,7 @@ class LogprobsWorkerExtension:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         replies = get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
-        rows = self._genlm_capture.take(tags, strict=replies and not discard)
+        rows = self._genlm_capture.take(tags, strict=replies and not discard, compact=True)
         return rows if replies and not discard else None
 
 

@@ -24,9 +24,15 @@ step 0 (the prefill) and the last step (no next start) are left out. Printed
 per (model, backend, N): the median per-step wall time (median over steps, then
 over repeats), the mean, the median per-step CPU time of the process (less
 sensitive to other processes on a shared machine; a batch timeout waits without
-CPU), the overhead over the floor (backend - floor medians, ms, wall and CPU)
-and the wall ratio, and the torch operations dispatched per step (median over
-steps of one untimed run). Within a repeat the settings run one after another,
+CPU), the median time per step inside the model's forward pass (`fwd`, forward
+hooks on the model that floor and backend share: the transformers model, or
+vLLM's model when it runs in this process), the overhead over the floor
+(backend - floor medians, ms, wall and CPU), the same for the time outside the
+forward pass (`over out`: per step wall - forward, backend - floor; the
+model's own work, which varies most from run to run on a shared machine,
+drops out, and so does any difference in the forward pass itself, which `fwd`
+shows), the wall ratio, and the torch operations dispatched per step (median
+over steps of one untimed run). Within a repeat the settings run one after another,
 starting at a different one each repeat. `AsyncTransformer` rows run torch with one thread by
 default (`--threads`): the tiny models gain nothing from more, and the figures
 stay stable when other processes share the cores. vLLM's CPU build binds its
@@ -145,6 +151,30 @@ class Stamped:
         return self.__getattr__("__call__")(*args, **kwargs)
 
 
+class ForwardTimer:
+    """Adds up the wall seconds spent in the forward passes of a module (forward hooks).
+
+    Args:
+        module: The model whose `forward` is timed (the same module for a backend and its
+            floor), or `None` when it is out of reach (vLLM worker processes).
+    """
+
+    def __init__(self, module: torch.nn.Module | None):
+        self.total = 0.0
+        self.calls = 0
+        self._started = 0.0
+        if module is not None:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
+
+    def _enter(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _exit(self, *_: Any) -> None:
+        self.total += time.perf_counter() - self._started
+        self.calls += 1
+
+
 def step_costs(stamps: list[Stamp]) -> list[Stamp]:
     """Differences of successive step stamps, without step 0 (the prefill)."""
     return [
@@ -153,10 +183,10 @@ def step_costs(stamps: list[Stamp]) -> list[Stamp]:
     ]
 
 
-def clock_for(counts: Counter | None) -> Callable[[], Stamp]:
-    """Wall and CPU (process) seconds, or the operators counted so far."""
+def clock_for(counts: Counter | None, forward: ForwardTimer) -> Callable[[], Stamp]:
+    """Wall, CPU (process) and forward-pass seconds, or the operators counted so far."""
     if counts is None:
-        return lambda: (time.perf_counter(), time.process_time())
+        return lambda: (time.perf_counter(), time.process_time(), forward.total)
     return lambda: (counts.total(),)
 
 
@@ -178,15 +208,17 @@ class Runner:
         self.lm, self.model, self.is_vllm = lm, model, is_vllm
         self.engine = lm._engine if is_vllm else None  # its thread runs the engine's ops
         self.countable = True
+        module = model
         if is_vllm:
             try:
-                lm.underlying_model  # noqa: B018 - raises if the model runs in worker processes
-            except RuntimeError:
-                self.countable = False
+                module = lm.underlying_model
+            except RuntimeError:  # the model runs in worker processes
+                self.countable, module = False, None
+        self.forward = ForwardTimer(module)
 
     def floor(self, trace: Trace, n: int, steps: int, counts: Counter | None = None) -> list[Stamp]:
         """Per-step costs of the floor: seconds, or operators when `counts` is given."""
-        clock = clock_for(counts)
+        clock = clock_for(counts, self.forward)
         if not self.is_vllm:
             model = Stamped(self.model, "__call__", 1, clock)
             with counting(counts):
@@ -218,7 +250,7 @@ class Runner:
 
         `keep_results=False` turns the backend's output cache off for the run.
         """
-        clock = clock_for(counts)
+        clock = clock_for(counts, self.forward)
         self.lm.batch_size = batch_size
         if self.is_vllm:
             self.lm.llm_engine.reset_prefix_cache()
@@ -260,8 +292,9 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
 
     for setting in settings.values():  # untimed warm-up
         once(setting)
-    # Per run: median wall, mean wall, median CPU seconds per step.
-    runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
+    # Per run: median wall, mean wall, median CPU, median forward, median outside the
+    # forward (wall - forward) seconds per step.
+    runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in settings}
     names = list(settings)
     for repeat in range(repeats):
         # Each repeat starts at another setting, so none always runs right after the floor.
@@ -269,8 +302,15 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
         for name in names[shift:] + names[:shift]:
             costs = once(settings[name])
             wall = [cost[0] for cost in costs]
+            outside = [cost[0] - cost[2] for cost in costs]
             runs[name].append(
-                (statistics.median(wall), statistics.fmean(wall), median_of(costs, 1))
+                (
+                    statistics.median(wall),
+                    statistics.fmean(wall),
+                    median_of(costs, 1),
+                    median_of(costs, 2),
+                    statistics.median(outside),
+                )
             )
     ops = {
         name: runner.ops_per_step(lambda c, s=setting: once(s, c))
@@ -278,18 +318,25 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
     }
     runner.lm.batch_size = default
 
-    ms = {name: [median_of(runs[name], i) * 1e3 for i in range(3)] for name in settings}
+    ms = {name: [median_of(runs[name], i) * 1e3 for i in range(5)] for name in settings}
     floor = ms["floor"]
+    timed = runner.forward.calls > 0
     for name in settings:
-        wall, mean, cpu = ms[name]
-        extra = ("", "", "", "")
+        wall, mean, cpu, forward, outside = ms[name]
+        extra = ("", "", "", "", "")
         if name != "floor":
             verdict = "ok" if wall - floor[0] <= OVERHEAD_TARGET_MS else "MISSED"
-            extra = (f"{wall - floor[0]:+.3f}", f"{cpu - floor[2]:+.3f}", f"{wall / floor[0]:.2f}")
-            extra += (verdict,)
+            extra = (
+                f"{wall - floor[0]:+.3f}",
+                f"{cpu - floor[2]:+.3f}",
+                f"{outside - floor[4]:+.3f}" if timed else "n/a",
+                f"{wall / floor[0]:.2f}",
+                verdict,
+            )
         print(
             f"{label:<22}{name:<16}{wall:>8.3f}{mean:>8.3f}{cpu:>8.3f}"
-            f"{extra[0]:>9}{extra[1]:>9}{extra[2]:>6}{ops[name]:>6}  {extra[3]}",
+            f"{forward if timed else float('nan'):>8.3f}"
+            f"{extra[0]:>9}{extra[1]:>9}{extra[2]:>9}{extra[3]:>6}{ops[name]:>6}  {extra[4]}",
             flush=True,
         )
     default_ms, n_ms = ms[list(settings)[1]], ms[list(settings)[2]]
@@ -375,11 +422,17 @@ def main() -> None:
         backends.remove("vllm")
 
     print(f"repeats: {args.repeats} (medians)")
-    print("ms per step (steps 1..T-2; median over repeats): wall median, wall mean, CPU median;")
-    print("over: backend - floor (wall, CPU medians); ratio: wall; ops: operators per step")
     print(
-        f"{'model backend N T':<22}{'run':<16}{'wall':>8}{'mean':>8}{'cpu':>8}"
-        f"{'over':>9}{'over cpu':>9}{'ratio':>6}{'ops':>6}"
+        "ms per step (steps 1..T-2; median over repeats): wall median, wall mean, CPU median,"
+        " fwd: in the model's forward (median)"
+    )
+    print(
+        "over: backend - floor (wall, CPU medians); over out: the same for the time outside"
+        " the forward (wall - fwd); ratio: wall; ops: operators per step"
+    )
+    print(
+        f"{'model backend N T':<22}{'run':<16}{'wall':>8}{'mean':>8}{'cpu':>8}{'fwd':>8}"
+        f"{'over':>9}{'over cpu':>9}{'over out':>9}{'ratio':>6}{'ops':>6}"
     )
     torch_threads = torch.get_num_threads()
     for backend in backends:

@@ -16,6 +16,7 @@ import torch
 # floats where one contiguous copy took 0.19 ms and 32 one-row copies 0.59 ms; on an
 # accelerator each run is one more kernel launch.
 _MAX_RUN_COPIES = 8
+_LOOK_AHEAD = 4  # a batch of n rows looks for free slots among the next 4 n from the cursor
 
 
 class _RowPool:
@@ -34,7 +35,7 @@ class _RowPool:
 
     def __init__(self, like: torch.Tensor, capacity: int):
         self.rows = like.new_empty((capacity, *like.shape[1:]))
-        self.free = list(range(capacity))
+        self.free = set(range(capacity))
         self.cursor = 0  # the slot after the last batch's
 
     def put(self, values: torch.Tensor, limit: int) -> list[int]:
@@ -49,13 +50,21 @@ class _RowPool:
             grown = self.rows.new_empty((size, *self.rows.shape[1:]))
             grown[:capacity].copy_(self.rows)
             self.rows = grown
-            self.free += range(capacity, size)
+            self.free.update(range(capacity, size))
             self.cursor, capacity = capacity, size
-        cursor = self.cursor
-        self.free.sort(key=lambda slot: (slot - cursor) % capacity)
-        slots = self.free[:n]
-        del self.free[:n]
-        self.cursor = (slots[-1] + 1) % capacity
+        # Free slots from the cursor on, looking a few batches' worth ahead at most
+        # (entries freed out of order, e.g. by reads or removals, are found below).
+        slots: list[int] = []
+        slot = self.cursor
+        for _ in range(min(capacity, _LOOK_AHEAD * n)):
+            if slot in self.free:
+                slots.append(slot)
+            slot = (slot + 1) % capacity
+            if len(slots) == n:
+                break
+        self.free.difference_update(slots)
+        self.cursor = slot
+        slots += (self.free.pop() for _ in range(n - len(slots)))
         runs = _runs(slots)
         if len(runs) <= _MAX_RUN_COPIES:
             for start, offset, length in runs:
@@ -168,7 +177,7 @@ class OutputCache:
         """
         with self._lock:
             for pool, slot, _ in self._entries.values():
-                pool.free.append(slot)
+                pool.free.add(slot)
             self._entries.clear()
 
     def remove_if(self, predicate: Callable[[Hashable], bool]) -> int:
@@ -189,7 +198,7 @@ class OutputCache:
     def _drop(self, key: Hashable) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            entry[0].free.append(entry[1])
+            entry[0].free.add(entry[1])
 
 
 class _Block:

@@ -445,8 +445,9 @@ def main() -> None:
             torch.set_num_threads(torch_threads)
         for arch in models:
             path = str(assets.tiny_model(arch))
-            runner = hf_runner(path) if backend == "hf" else vllm_runner(path)
+            runner = None
             try:
+                runner = hf_runner(path) if backend == "hf" else vllm_runner(path)
                 for n, steps in configs:
                     trace = make_trace(n, steps, runner.lm.vocab_size)
                     label = f"{arch} {backend} N={n} T={steps}"
@@ -459,7 +460,7 @@ def main() -> None:
             if args.profile and backend == "hf" and arch == models[0]:
                 n, steps = configs[0]
                 profile_hf(runner, make_trace(n, steps, runner.lm.vocab_size), n, steps)
-            if backend == "vllm":
+            if backend == "vllm" and runner is not None:
                 runner.lm.cleanup()
 
 

@@ -426,6 +426,51 @@ def test_a_capture_that_reads_the_wrong_rows_is_refused_at_startup(vllm_lm):
     assert AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture).vocab_size == 49152
 
 
+def test_a_capture_records_only_requests_it_owns_or_that_name_no_owner():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    first, second = GlobalLogprobsCapture(), GlobalLogprobsCapture()
+    assert first.capture_id != second.capture_id
+
+    def request(slot, tag, owner=None):
+        extra_args = {"genlm_capture_tag": tag}
+        if owner is not None:
+            extra_args["genlm_capture_owner"] = owner.capture_id
+        return (slot, SamplingParams(extra_args=extra_args), [1], [])
+
+    added = [request(0, "mine", first), request(1, "theirs", second), request(2, "anyone")]
+    logits = torch.randn(3, 11)
+    expected = torch.log_softmax(logits, -1)
+    for capture in (first, second):
+        capture.update_state(BatchUpdate(3, removed=[], added=added, moved=[]))
+        capture.apply(logits)
+    mine, anyone = first.take(["mine", "anyone"])
+    torch.testing.assert_close(mine, expected[0])
+    torch.testing.assert_close(anyone, expected[2])
+    assert first.take(["theirs"], strict=False) == []
+    assert second.take(["mine"], strict=False) == []
+    assert len(second.take(["theirs", "anyone"])) == 2
+
+
+def test_two_captures_on_one_engine_keep_no_rows_of_each_other(vllm_lm, reference):
+    # Before captures had owners, the module's capture kept a row for every query of
+    # the second wrapper, which nothing ever took.
+    own = GlobalLogprobsCapture()
+    try:
+        lm = AsyncVirtualLM(vllm_lm.llm_engine, own)
+        prompts = [[1, 2, 3, 4 + i] for i in range(5)]
+        rows = lm.batch_next_token_logprobs_sync(prompts)
+        for prompt, row in zip(prompts, rows, strict=True):
+            assert_matches(row, reference(prompt))
+        assert vllm_lm.logprobs_capture._rows_by_tag == {}  # nothing left behind
+        assert own._rows_by_tag == {}
+    finally:
+        vllm_lm.llm_engine.collective_rpc(
+            lambda worker: remove_from_sampler(worker.model_runner, own)
+        )
+
+
 def test_hash_to_int_is_deterministic_and_in_range():
     ids = [AsyncVirtualLM.hash_to_int(f"adapter-{i}") for i in range(200)]
     assert ids == [AsyncVirtualLM.hash_to_int(f"adapter-{i}") for i in range(200)]

@@ -37,6 +37,7 @@ from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import AsyncLM, check_sampling_args, check_token_ids
 from genlm.backend.llm.vllm_engine import EngineRequest, close_engine_loop, engine_loop
 from genlm.backend.llm.vllm_logits import (
+    CAPTURE_OWNER,
     CAPTURE_TAG,
     EXTENSION,
     GlobalLogprobsCapture,
@@ -492,7 +493,7 @@ class AsyncVirtualLM(AsyncLM):
         if count < 2:  # the engine reports too little to compare
             return
         tag = next(_capture_tags)
-        request = _captured_request(range(4), None, tag, logprobs=count)
+        request = _captured_request(range(4), None, tag, self._logits.owner, logprobs=count)
 
         def finish(outputs: list) -> tuple[torch.Tensor, dict]:
             (row,) = self._logits.take([tag])
@@ -526,7 +527,8 @@ class AsyncVirtualLM(AsyncLM):
         """Put one request per query into the engine; the future gives their rows."""
         tags = [next(_capture_tags) for _ in queries]
         pairs = zip(queries, tags, strict=True)
-        requests = [_captured_request(ids, lora, tag) for (lora, ids), tag in pairs]
+        owner = self._logits.owner
+        requests = [_captured_request(ids, lora, tag, owner) for (lora, ids), tag in pairs]
 
         def finish(_outputs: list) -> list[torch.Tensor]:
             rows = self._logits.take(tags)
@@ -572,20 +574,23 @@ class AsyncVirtualLM(AsyncLM):
 
 
 def _captured_request(
-    token_ids: Sequence[int], lora: Any, tag: int, logprobs: int | None = None
+    token_ids: Sequence[int], lora: Any, tag: int, owner: int | None, logprobs: int | None = None
 ) -> EngineRequest:
-    """A one-token request whose next-token row the capture records under `tag`."""
+    """A one-token request whose next-token row the capture `owner` (`None`: any) records."""
     from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
+    extra_args: dict[str, int] = {CAPTURE_TAG: tag}
+    if owner is not None:
+        extra_args[CAPTURE_OWNER] = owner
     params = SamplingParams(
         max_tokens=1,
         temperature=1.0,
         logprobs=logprobs,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
-        extra_args={CAPTURE_TAG: tag},
+        extra_args=extra_args,
     )
     return EngineRequest(tokens_input(list(token_ids)), params, lora)
 

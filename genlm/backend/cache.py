@@ -156,7 +156,8 @@ class OutputCache:
         for key in kept:
             self._drop(key)
         while len(self._entries) + len(kept) > self.maxsize:
-            self._drop(next(iter(self._entries)))
+            pool, slot, _ = self._entries.popitem(last=False)[1]
+            pool.free.add(slot)
         if indices != list(range(values.shape[0])):
             values = values[indices]
         device = values.device

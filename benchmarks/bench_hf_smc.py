@@ -1,10 +1,11 @@
 """Sequential Monte Carlo workload: `AsyncTransformer` against a hand-written batched decode.
 
-SmolLM2-135M (float32, CPU). N particles start from a 64-token prompt; at each
-of T steps every particle awaits `next_token_logprobs(prompt + its tokens)`
-concurrently (`asyncio.gather`), then appends the token a fixed seeded trace
-gives it; every 5 steps the particles are resampled (replaced by copies of
-seeded random ancestors). Every run does the same work.
+SmolLM2-135M (float32, CPU), the workload of `smc_workload.py`: N particles
+start from a 64-token prompt; at each of T steps every particle awaits
+`next_token_logprobs(prompt + its tokens)` concurrently (`asyncio.gather`),
+then appends the token a fixed seeded trace gives it; every 5 steps the
+particles are resampled (replaced by copies of seeded random ancestors).
+Every run does the same work.
 
 Reference, in the same process: one prefill of the prompt, then one batched
 decode step of exactly N new tokens per step over one `DynamicCache`
@@ -29,99 +30,18 @@ Run: `HF_HUB_OFFLINE=1 python benchmarks/bench_hf_smc.py [--repeats 3] [--thread
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import time
-from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from smc_workload import make_trace, parse_configs, run_backend, run_reference
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend import assets
 from genlm.backend.llm.hf import AsyncTransformer
 
-PROMPT_LENGTH = 64
-RESAMPLE_EVERY = 5
 TOLERANCE = 1e-4
 RATIO_TARGET = 1.3
 MEMORY_BUDGET = 256 * 1024**2
-SAMPLED_QUERIES = 12
-
-
-@dataclass
-class Trace:
-    """The seeded choices of one workload."""
-
-    prompt: list[int]
-    tokens: torch.Tensor  # [T, N]: the token particle n appends at step t
-    ancestors: dict[int, list[int]]  # step -> resampled ancestor of every particle
-    checks: set[tuple[int, int]]  # (step, particle) whose result is compared to the reference
-
-
-def parse_configs(text: str) -> list[tuple[int, int]]:
-    """`"10x32,32x128"` -> `[(10, 32), (32, 128)]`: (particles, steps) pairs."""
-    return [(int(n), int(steps)) for n, steps in (pair.split("x") for pair in text.split(","))]
-
-
-def make_trace(n: int, steps: int, vocab: int, seed: int = 0) -> Trace:
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (PROMPT_LENGTH,), generator=generator).tolist()
-    tokens = torch.randint(0, vocab, (steps, n), generator=generator)
-    ancestors = {
-        step: torch.randint(0, n, (n,), generator=generator).tolist()
-        for step in range(RESAMPLE_EVERY - 1, steps, RESAMPLE_EVERY)
-    }
-    picks = torch.randint(0, steps * n, (SAMPLED_QUERIES,), generator=generator).tolist()
-    return Trace(prompt, tokens, ancestors, {divmod(p, n) for p in picks})
-
-
-def run_reference(model, trace: Trace, n: int, steps: int) -> tuple[float, float]:
-    """Hand-written batched decode; returns wall and CPU seconds."""
-    start, start_cpu = time.perf_counter(), time.process_time()
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        model(torch.tensor([trace.prompt]), past_key_values=cache, use_cache=True)
-        cache.batch_repeat_interleave(n)
-        length = PROMPT_LENGTH
-        for step in range(steps - 1):
-            new = trace.tokens[step][:, None]
-            if step in trace.ancestors:
-                # Particles were resampled after appending: reorder the cache and the new tokens.
-                index = torch.tensor(trace.ancestors[step])
-                cache.reorder_cache(index)
-                new = new[index]
-            positions = torch.full((n, 1), length)
-            out = model(new, position_ids=positions, past_key_values=cache, use_cache=True)
-            torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-            length += 1
-    return time.perf_counter() - start, time.process_time() - start_cpu
-
-
-async def smc(lm: AsyncTransformer, trace: Trace, n: int, steps: int, use_cache_kv: bool):
-    """The sampler's loop; returns the results of the sampled queries."""
-    if use_cache_kv:
-        lm.cache_kv(trace.prompt)
-    particles = [list(trace.prompt) for _ in range(n)]
-    tokens = trace.tokens.tolist()  # the sampler's own bookkeeping dispatches no torch ops
-    sampled = {}
-    for step in range(steps):
-        rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
-        for particle in range(n):
-            if (step, particle) in trace.checks:
-                sampled[tuple(particles[particle])] = rows[particle]
-        for particle in range(n):
-            particles[particle].append(tokens[step][particle])
-        if step in trace.ancestors:
-            particles = [list(particles[a]) for a in trace.ancestors[step]]
-    return sampled
-
-
-def run_backend(lm: AsyncTransformer, trace: Trace, n: int, steps: int, use_cache_kv: bool):
-    """Returns wall seconds, CPU seconds and the sampled results."""
-    lm.clear_cache()
-    start, start_cpu = time.perf_counter(), time.process_time()
-    sampled = asyncio.run(smc(lm, trace, n, steps, use_cache_kv))
-    return time.perf_counter() - start, time.process_time() - start_cpu, sampled
 
 
 def max_error(lm: AsyncTransformer, sampled: dict) -> float:

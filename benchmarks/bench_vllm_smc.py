@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-from bench_hf_smc import Trace, make_trace, parse_configs, smc  # noqa: E402 - same workload as the HF bench
+from smc_workload import Trace, make_trace, parse_configs, smc  # noqa: E402 - same workload as the HF bench
 
 from genlm.backend import assets  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402

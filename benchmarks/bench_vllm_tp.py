@@ -42,7 +42,7 @@ AGREEMENT_PROMPTS = [[1, 504, 3458, 282], [5, 6, 7, 8, 9, 10, 11], [42], list(ra
 
 def measure(model: str, workers: int, rows_file: str) -> dict:
     """Runs in a child process: start the engine, time calls and the SMC loop."""
-    from bench_hf_smc import make_trace, smc
+    from smc_workload import make_trace, smc
 
     from genlm.backend.llm.vllm import AsyncVirtualLM
 

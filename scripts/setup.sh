@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything the tests, benchmarks and example need, idempotently:
-# a virtual environment in .venv with the package and its test extras, and the
-# real assets (SmolLM2, tokenizers, tiny models) in the asset cache.
+# a virtual environment in .venv with the package and its test extras (and the
+# released clients of its API), and the real assets (SmolLM2, tokenizers, tiny
+# models) in the asset cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -196,9 +196,35 @@ def test_readers_in_other_threads_never_see_a_reused_slot():
     assert wrong == []
 
 
-def test_random_operations_agree_with_a_plain_lru_map():
+def test_store_rows_takes_separate_rows_from_several_tensors():
+    # Rows given as a list (e.g. views of two engine steps' results) are stored as private
+    # copies. The 10 slots freed below are not adjacent, so the 10 rows land in 10 runs
+    # (the one-`index_copy_` path); the 4 after them replace the oldest entries (4 runs).
+    cache = OutputCache(maxsize=20)
+    cache.store_rows([(i,) for i in range(20)], torch.zeros(20, 3))
+    cache.remove_if(lambda key: key[0] % 2 == 0)
+    first, second = torch.arange(15.0).reshape(5, 3), torch.arange(15.0, 30.0).reshape(5, 3)
+    rows = [first[4], second[0], first[0], second[3], first[2], second[1], first[1]]
+    rows += [second[4], first[3], second[2]]
+    keys = [("r", i) for i in range(10)]
+    cache.store_rows(keys, rows)
+    expected = [row.clone() for row in rows]
+    first.fill_(-1)
+    second.fill_(-1)
+    for key, row in zip(keys, expected, strict=True):
+        assert torch.equal(cache[key], row)
+    assert all(torch.equal(cache[(i,)], torch.zeros(3)) for i in range(1, 20, 2))
+    tail = [torch.full((3,), float(i)) for i in range(4)]
+    cache.store_rows([("t", i) for i in range(4)], tail)
+    assert [torch.equal(cache[("t", i)], tail[i]) for i in range(4)] == [True] * 4
+    assert len(cache) == 20
+
+
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_random_operations_agree_with_a_plain_lru_map(as_rows):
     # Batches of varying sizes, reads, overwrites, removals and clears, against an
-    # OrderedDict of private copies with the documented LRU rules.
+    # OrderedDict of private copies with the documented LRU rules; batches are given
+    # as one tensor or as a list of rows.
     generator = torch.Generator().manual_seed(0)
 
     def randint(high):
@@ -210,7 +236,7 @@ def test_random_operations_agree_with_a_plain_lru_map():
         if action < 6:  # a batch, some keys new, some stored before
             keys = list(dict.fromkeys((randint(40),) for _ in range(1 + randint(7))))
             rows = torch.randn(len(keys), 5, generator=generator)
-            cache.store_rows(keys, rows)
+            cache.store_rows(keys, list(rows.unbind(0)) if as_rows else rows)
             for key, row in zip(keys, rows, strict=True):
                 reference.pop(key, None)
                 reference[key] = row.clone()

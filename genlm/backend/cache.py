@@ -33,17 +33,17 @@ class _RowPool:
 
     __slots__ = ("rows", "free", "cursor")
 
-    def __init__(self, like: torch.Tensor, capacity: int):
-        self.rows = like.new_empty((capacity, *like.shape[1:]))
+    def __init__(self, row: torch.Tensor, capacity: int):
+        self.rows = row.new_empty((capacity, *row.shape))
         self.free = set(range(capacity))
         self.cursor = 0  # the slot after the last batch's
 
-    def put(self, values: torch.Tensor, limit: int) -> list[int]:
-        """Copy the rows of `values` into free slots; returns the slots.
+    def put(self, values: torch.Tensor | list[torch.Tensor], limit: int) -> list[int]:
+        """Copy the rows of `values` (a 2-D tensor, or 1-D rows) into free slots; returns the slots.
 
         The tensor grows when too few slots are free, to at most `limit` rows.
         """
-        n = values.shape[0]
+        n = len(values)
         capacity = self.rows.shape[0]
         if len(self.free) < n:
             size = max(min(2 * capacity, limit), capacity - len(self.free) + n)
@@ -66,11 +66,17 @@ class _RowPool:
         self.cursor = slot
         slots += (self.free.pop() for _ in range(n - len(slots)))
         runs = _runs(slots)
-        if len(runs) <= _MAX_RUN_COPIES:
+        if len(runs) > _MAX_RUN_COPIES:
+            if not isinstance(values, torch.Tensor):
+                values = torch.stack(values)
+            self.rows.index_copy_(0, torch.tensor(slots, device=self.rows.device), values)
+        elif isinstance(values, torch.Tensor):
             for start, offset, length in runs:
                 self.rows.narrow(0, start, length).copy_(values.narrow(0, offset, length))
-        else:
-            self.rows.index_copy_(0, torch.tensor(slots, device=self.rows.device), values)
+        else:  # separate rows: one stack per run, straight into the slots
+            for start, offset, length in runs:
+                slots_run = self.rows.narrow(0, start, length)
+                torch.stack(values[offset : offset + length], out=slots_run)
         return slots
 
 
@@ -138,35 +144,51 @@ class OutputCache:
             pool, slot, device = entry
             return pool.rows[slot].to(device, copy=True)
 
-    def store_rows(self, keys: Sequence[Hashable], values: torch.Tensor) -> None:
+    def store_rows(
+        self, keys: Sequence[Hashable], values: torch.Tensor | Sequence[torch.Tensor]
+    ) -> None:
         """Store `values[i]` under `keys[i]` for every `i`, in one copy.
 
         Args:
             keys: One key per row; later rows count as more recently used (a
                 repeated key keeps its last row).
-            values: The rows, a tensor with `len(keys)` entries along dimension 0.
+            values: The rows: a tensor with `len(keys)` entries along dimension
+                0, or `len(keys)` tensors of one shape, dtype and device (e.g.
+                views of several steps' results), gathered as they are copied.
         """
+        if self.maxsize == 0:
+            return
         index_of = {key: index for index, key in enumerate(keys)}
         kept = list(index_of)[max(len(index_of) - self.maxsize, 0) :]
         if kept:
             with self._lock:
                 self._store(kept, [index_of[key] for key in kept], values)
 
-    def _store(self, kept: list[Hashable], indices: list[int], values: torch.Tensor) -> None:
+    def _store(
+        self,
+        kept: list[Hashable],
+        indices: list[int],
+        values: torch.Tensor | Sequence[torch.Tensor],
+    ) -> None:
         for key in kept:
             self._drop(key)
         while len(self._entries) + len(kept) > self.maxsize:
             pool, slot, _ = self._entries.popitem(last=False)[1]
             pool.free.add(slot)
-        if indices != list(range(values.shape[0])):
-            values = values[indices]
-        device = values.device
-        stored = values.to("cpu") if self.move_to_cpu else values
-        pool_key = (stored.shape[1:], stored.dtype, stored.device)
+        if isinstance(values, torch.Tensor):
+            if indices != list(range(values.shape[0])):
+                values = values[indices]
+        else:
+            values = [values[i] for i in indices]
+        device = values[0].device
+        if self.move_to_cpu and device.type != "cpu":  # one copy to the host
+            values = (values if isinstance(values, torch.Tensor) else torch.stack(values)).cpu()
+        first = values[0]
+        pool_key = (first.shape, first.dtype, first.device)
         pool = self._pools.get(pool_key)
         if pool is None:
-            pool = self._pools[pool_key] = _RowPool(stored, len(kept))
-        for key, slot in zip(kept, pool.put(stored, self.maxsize), strict=True):
+            pool = self._pools[pool_key] = _RowPool(first, len(kept))
+        for key, slot in zip(kept, pool.put(values, self.maxsize), strict=True):
             self._entries[key] = (pool, slot, device)
 
     def clear(self) -> None:

@@ -377,9 +377,13 @@ class AsyncSGLTransformer(AsyncLM):
     ) -> None:
         # An adapter replaced or removed while its requests ran leaves nothing cached.
         loaded = {self.loras[name] for name in self.loras.names}
-        for query, row in zip(queries, rows, strict=True):
-            if isinstance(row, torch.Tensor) and (query[0] is None or query[0] in loaded):
-                self.cache[query] = row
+        kept = [
+            i
+            for i, (query, row) in enumerate(zip(queries, rows, strict=True))
+            if isinstance(row, torch.Tensor) and (query[0] is None or query[0] in loaded)
+        ]
+        if kept:
+            self.cache.store_rows([queries[i] for i in kept], [rows[i] for i in kept])
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None

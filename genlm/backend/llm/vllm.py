@@ -532,8 +532,7 @@ class AsyncVirtualLM(AsyncLM):
 
         def finish(_outputs: list) -> list[torch.Tensor]:
             rows = self._logits.take(tags)
-            for query, row in zip(queries, rows, strict=True):
-                self.cache[query] = row
+            self.cache.store_rows(queries, rows)
             return rows
 
         def discard() -> None:  # rows recorded before the failure

@@ -195,9 +195,11 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         """Cancel every waiting and in-flight caller; queued requests are dropped."""
         for queue in self._live_queues():
             queue.cancel_timer()
+            run = _runner(queue.loop)
             for entry in [*queue.pending.values(), *queue.in_flight.values()]:
                 for future in entry.futures:
-                    _in_loop(future, future.cancel)
+                    if run is not None:
+                        run(future.cancel)
             queue.pending.clear()
             queue.in_flight.clear()
 
@@ -277,7 +279,7 @@ class AutoBatcher(Generic[RequestT, ResultT]):
             finally:
                 for key in keys:
                     queue.in_flight.pop(key, None)
-            self._resolve(entries, results, error)
+            self._resolve(queue, entries, results, error)
 
     def _evaluate_sync(
         self, queue: _LoopQueue, keys: list[Hashable], entries: list[_Entry]
@@ -291,10 +293,15 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         finally:
             for key in keys:
                 queue.in_flight.pop(key, None)
-        self._resolve(entries, results, error)
+        self._resolve(queue, entries, results, error)
 
     @staticmethod
-    def _resolve(entries: list[_Entry], results: Any, error: BaseException | None) -> None:
+    def _resolve(
+        queue: _LoopQueue, entries: list[_Entry], results: Any, error: BaseException | None
+    ) -> None:
+        run = _runner(queue.loop)
+        if run is None:  # the callers' loop is closed: nobody to deliver to
+            return
         if error is None:
             # Anything indexable with a length works: a list, a batched tensor, an array.
             try:
@@ -309,12 +316,12 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         for i, entry in enumerate(entries):
             for n, future in enumerate(entry.live_futures()):
                 if error is not None:
-                    _in_loop(future, _set_exception, future, error)
+                    run(_set_exception, future, error)
                 elif isinstance(results[i], BaseException):
-                    _in_loop(future, _set_exception, future, results[i])
+                    run(_set_exception, future, results[i])
                 else:
                     result = results[i] if n == 0 else _own_copy(results[i])
-                    _in_loop(future, _set_result, future, result)
+                    run(_set_result, future, result)
 
 
 def _own_copy(result: Any) -> Any:
@@ -326,19 +333,25 @@ def _own_copy(result: Any) -> Any:
     return result
 
 
-def _in_loop(future: asyncio.Future, callback: Callable[..., Any], *args: Any) -> None:
-    """Run `callback(*args)` in `future`'s loop: now, or handed over when another thread runs it."""
-    loop = future.get_loop()
+def _runner(loop: asyncio.AbstractEventLoop) -> Callable[..., Any] | None:
+    """How this thread runs callbacks in `loop` (`run(callback, *args)`).
+
+    At once when this thread runs `loop` or nobody does, handed over when
+    another thread runs it, `None` when `loop` is closed.
+    """
     if loop.is_closed():
-        return
+        return None
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
     if running is loop or not loop.is_running():
-        callback(*args)
-    else:
-        loop.call_soon_threadsafe(callback, *args)
+        return _call
+    return loop.call_soon_threadsafe
+
+
+def _call(callback: Callable[..., Any], *args: Any) -> None:
+    callback(*args)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:

@@ -15,6 +15,13 @@ Backends and their floors, in the same process:
   (one `LLM.generate(max_tokens=1)` per step with the same logits capture, on
   the same engine). The prefix cache is reset before every run of either.
 
+Both floors keep the results the sampler keeps, for as long (each step's rows
+until the next step's, and the trace's checked rows to the end; see
+`smc_workload.run_reference`): rows kept across a forward pass change where
+the allocator puts the next step's logits, and a floor that dropped them ran
+about 1.5-2 ms per step faster at N=32 on the tiny Llama for that alone
+(page faults in its forward pass; measured 2026-11-24).
+
 Each backend runs twice: with its default `batch_size`/`timeout` and with
 `batch_size=N`; `AsyncTransformer` a third time with `batch_size=N` and its
 output cache off (`no cache`), which shows what keeping a private copy of

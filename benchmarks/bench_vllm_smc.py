@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-from smc_workload import Trace, make_trace, parse_configs, smc  # noqa: E402 - same workload as the HF bench
+from smc_workload import Trace, keep_checked, make_trace, parse_configs, smc  # noqa: E402 - same workload as the HF bench
 
 from genlm.backend import assets  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
@@ -61,6 +61,7 @@ def _floor(lm: AsyncVirtualLM, trace: Trace, n: int, steps: int) -> float:
     llm.reset_prefix_cache()
     start = time.perf_counter()
     particles = [list(trace.prompt) for _ in range(n)]
+    kept = {}  # the results the sampler keeps (see `smc_workload.run_reference`)
     for step in range(steps):
         tags = [("floor", step, particle) for particle in range(n)]
         params = [
@@ -70,7 +71,8 @@ def _floor(lm: AsyncVirtualLM, trace: Trace, n: int, steps: int) -> float:
             for t in tags
         ]
         llm.generate([{"prompt_token_ids": p} for p in particles], params, use_tqdm=False)
-        capture.take(tags)
+        rows = capture.take(tags)
+        keep_checked(kept, trace, step, rows)
         for particle in range(n):
             particles[particle].append(int(trace.tokens[step, particle]))
         if step in trace.ancestors:

@@ -33,8 +33,8 @@ class _RowPool:
 
     __slots__ = ("rows", "free", "cursor")
 
-    def __init__(self, row: torch.Tensor, capacity: int):
-        self.rows = row.new_empty((capacity, *row.shape))
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.rows = like.new_empty((capacity, *like.shape[1:]))
         self.free = set(range(capacity))
         self.cursor = 0  # the slot after the last batch's
 
@@ -178,16 +178,19 @@ class OutputCache:
         if isinstance(values, torch.Tensor):
             if indices != list(range(values.shape[0])):
                 values = values[indices]
+            like = values
         else:
             values = [values[i] for i in indices]
-        device = values[0].device
+            like = values[0].unsqueeze(0)
+        device = like.device
         if self.move_to_cpu and device.type != "cpu":  # one copy to the host
-            values = (values if isinstance(values, torch.Tensor) else torch.stack(values)).cpu()
-        first = values[0]
-        pool_key = (first.shape, first.dtype, first.device)
+            values = like = (
+                values if isinstance(values, torch.Tensor) else torch.stack(values)
+            ).cpu()
+        pool_key = (like.shape[1:], like.dtype, like.device)
         pool = self._pools.get(pool_key)
         if pool is None:
-            pool = self._pools[pool_key] = _RowPool(first, len(kept))
+            pool = self._pools[pool_key] = _RowPool(like, len(kept))
         for key, slot in zip(kept, pool.put(values, self.maxsize), strict=True):
             self._entries[key] = (pool, slot, device)
 

@@ -38,8 +38,10 @@ vLLM's model when it runs in this process), the overhead over the floor
 forward pass (`over out`: per step wall - forward, backend - floor; the
 model's own work, which varies most from run to run on a shared machine,
 drops out, and so does any difference in the forward pass itself, which `fwd`
-shows), the wall ratio, and the torch operations dispatched per step (median
-over steps of one untimed run). Within a repeat the settings run one after another,
+shows), the wall ratio, the torch operations dispatched per step (median
+over steps of one untimed run), and the process's minor page faults per step
+(`flt`, median: pages mapped afresh, which results kept across a forward
+pass cause, see above). Within a repeat the settings run one after another,
 starting at a different one each repeat. `AsyncTransformer` rows run torch with one thread by
 default (`--threads`): the tiny models gain nothing from more, and the figures
 stay stable when other processes share the cores. vLLM's CPU build binds its
@@ -67,6 +69,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import resource
 import statistics
 import time
 from collections import Counter
@@ -160,9 +163,15 @@ class ForwardTimer:
 
 
 def clock_for(counts: Counter | None, forward: ForwardTimer) -> Callable[[], Stamp]:
-    """Wall, CPU (process) and forward-pass seconds, or the operators counted so far."""
+    """Wall, CPU and forward-pass seconds and minor page faults so far (of the process),
+    or the operators counted so far."""
     if counts is None:
-        return lambda: (time.perf_counter(), time.process_time(), forward.total)
+        return lambda: (
+            time.perf_counter(),
+            time.process_time(),
+            forward.total,
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+        )
     return lambda: (counts.total(),)
 
 
@@ -264,7 +273,7 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
     for setting in settings.values():  # untimed warm-up
         once(setting)
     # Per run: median wall, mean wall, median CPU, median forward, median outside the
-    # forward (wall - forward) seconds per step.
+    # forward (wall - forward) seconds per step, and median page faults per step.
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in settings}
     names = list(settings)
     for repeat in range(repeats):
@@ -281,6 +290,7 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
                     median_of(costs, 1),
                     median_of(costs, 2),
                     statistics.median(outside),
+                    median_of(costs, 3),
                 )
             )
     ops = {
@@ -290,6 +300,7 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
     runner.lm.batch_size = default
 
     ms = {name: [median_of(runs[name], i) * 1e3 for i in range(5)] for name in settings}
+    faults = {name: median_of(runs[name], 5) for name in settings}
     floor = ms["floor"]
     timed = runner.forward.calls > 0
     for name in settings:
@@ -307,7 +318,8 @@ def measure(runner: Runner, label: str, trace: Trace, n: int, steps: int, repeat
         print(
             f"{label:<22}{name:<16}{wall:>8.3f}{mean:>8.3f}{cpu:>8.3f}"
             f"{forward if timed else float('nan'):>8.3f}"
-            f"{extra[0]:>9}{extra[1]:>9}{extra[2]:>9}{extra[3]:>6}{ops[name]:>6}  {extra[4]}",
+            f"{extra[0]:>9}{extra[1]:>9}{extra[2]:>9}{extra[3]:>6}{ops[name]:>6}"
+            f"{faults[name]:>6.0f}  {extra[4]}",
             flush=True,
         )
     default_ms, n_ms = ms[list(settings)[1]], ms[list(settings)[2]]
@@ -399,11 +411,12 @@ def main() -> None:
     )
     print(
         "over: backend - floor (wall, CPU medians); over out: the same for the time outside"
-        " the forward (wall - fwd); ratio: wall; ops: operators per step"
+        " the forward (wall - fwd); ratio: wall; ops: operators per step; flt: minor page"
+        " faults of the process per step (median)"
     )
     print(
         f"{'model backend N T':<22}{'run':<16}{'wall':>8}{'mean':>8}{'cpu':>8}{'fwd':>8}"
-        f"{'over':>9}{'over cpu':>9}{'over out':>9}{'ratio':>6}{'ops':>6}"
+        f"{'over':>9}{'over cpu':>9}{'over out':>9}{'ratio':>6}{'ops':>6}{'flt':>6}"
     )
     torch_threads = torch.get_num_threads()
     for backend in backends:

@@ -196,6 +196,23 @@ def test_readers_in_other_threads_never_see_a_reused_slot():
     assert wrong == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_stored_rows_keep_their_dtype_and_values(dtype):
+    # Float rows are copied through numpy on the CPU, bfloat16 ones (which numpy lacks)
+    # by torch; a row that requires grad is stored too. 13 floats a row: runs of rows
+    # that are not a multiple of 64 bytes.
+    cache = OutputCache(maxsize=6)
+    values = torch.randn(4, 13, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = values.clone()
+    cache.store_rows([(i,) for i in range(4)], values.requires_grad_(dtype != torch.float16))
+    cache.store_rows([(9,), (8,)], expected[[3, 1]] * 2)  # two more rows, in slots 4 and 5
+    with torch.no_grad():
+        values.zero_()
+    for i in range(4):
+        assert cache[(i,)].dtype == dtype and torch.equal(cache[(i,)], expected[i])
+    assert torch.equal(cache[(9,)], expected[3] * 2) and torch.equal(cache[(8,)], expected[1] * 2)
+
+
 def test_store_rows_takes_separate_rows_from_several_tensors():
     # Rows given as a list (e.g. views of two engine steps' results) are stored as private
     # copies. The 10 slots freed below are not adjacent, so the 10 rows land in 10 runs

@@ -17,6 +17,10 @@ import torch
 # accelerator each run is one more kernel launch.
 _MAX_RUN_COPIES = 8
 _LOOK_AHEAD = 4  # a batch of n rows looks for free slots among the next 4 n from the cursor
+# Dtypes whose runs are copied on the CPU through numpy views, i.e. by glibc's memmove: for
+# 32 rows of 50,257 floats (rows not a multiple of 64 bytes) in an SMC step torch's copy
+# took 0.84-1.12 ms and memmove 0.69 ms (49,152 floats: 0.80 against 0.70 ms).
+_MEMMOVE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
 
 
 class _RowPool:
@@ -71,8 +75,14 @@ class _RowPool:
                 values = torch.stack(values)
             self.rows.index_copy_(0, torch.tensor(slots, device=self.rows.device), values)
         elif isinstance(values, torch.Tensor):
-            for start, offset, length in runs:
-                self.rows.narrow(0, start, length).copy_(values.narrow(0, offset, length))
+            if self.rows.is_cpu and values.dtype in _MEMMOVE_DTYPES:
+                target = self.rows.numpy()
+                source = (values.detach() if values.requires_grad else values).numpy()
+                for start, offset, length in runs:
+                    target[start : start + length] = source[offset : offset + length]
+            else:
+                for start, offset, length in runs:
+                    self.rows.narrow(0, start, length).copy_(values.narrow(0, offset, length))
         else:  # separate rows: one stack per run, straight into the slots
             for start, offset, length in runs:
                 slots_run = self.rows.narrow(0, start, length)

@@ -196,11 +196,20 @@ def test_readers_in_other_threads_never_see_a_reused_slot():
     assert wrong == []
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request):
+    """Runs the test with torch set to 1 or 2 threads (the cache's CPU copy depends on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_stored_rows_keep_their_dtype_and_values(dtype):
-    # Float rows are copied through numpy on the CPU, bfloat16 ones (which numpy lacks)
-    # by torch; a row that requires grad is stored too. 13 floats a row: runs of rows
-    # that are not a multiple of 64 bytes.
+def test_stored_rows_keep_their_dtype_and_values(dtype, torch_threads):
+    # With one torch thread float rows are copied through numpy on the CPU, else (and
+    # bfloat16 ones, which numpy lacks) by torch; a row that requires grad is stored
+    # too. 13 floats a row: runs of rows that are not a multiple of 64 bytes.
     cache = OutputCache(maxsize=6)
     values = torch.randn(4, 13, generator=torch.Generator().manual_seed(1)).to(dtype)
     expected = values.clone()

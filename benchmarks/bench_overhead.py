@@ -42,10 +42,12 @@ shows), the wall ratio, the torch operations dispatched per step (median
 over steps of one untimed run), and the process's minor page faults per step
 (`flt`, median: pages mapped afresh, which results kept across a forward
 pass cause, see above). Within a repeat the settings run one after another,
-starting at a different one each repeat. `AsyncTransformer` rows run torch with one thread by
-default (`--threads`): the tiny models gain nothing from more, and the figures
-stay stable when other processes share the cores. vLLM's CPU build binds its
-own threads (printed), so the vLLM rows run after all the others. Operations are counted with a
+starting at a different one each repeat. `AsyncTransformer` rows run torch
+with one thread by default (`--threads`), so that the figures stay stable
+when other processes share the cores; with two, torch's default on a 2-core
+machine, the tiny Llama's floor at N=32 is faster (4.7 against 8.4-9.2 ms per
+step on 2026-11-25). vLLM's CPU build binds its own threads (printed), so the
+vLLM rows run after all the others. Operations are counted with a
 `torch.utils._python_dispatch.TorchDispatchMode` that counts every operator call
 reaching the dispatcher (ATen and custom operators, after autograd; Python
 wrappers that dispatch nothing are not counted), in every thread that runs

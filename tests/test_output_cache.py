@@ -36,6 +36,29 @@ def test_overwriting_a_key_keeps_one_entry():
     assert len(cache) == 1 and torch.equal(cache[(1,)], tensor(5))
 
 
+def test_a_byte_budget_evicts_the_least_recently_used():
+    row_bytes = 3 * 4  # tensor() rows: 3 float32
+    cache = OutputCache(maxsize=100, max_bytes=2 * row_bytes + 5)
+    cache[(1,)] = tensor(1)
+    cache[(2,)] = tensor(2)
+    cache.get((1,))  # now (2,) is the least recently used
+    cache[(3,)] = tensor(3)
+    assert sorted(key for key in [(1,), (2,), (3,)] if key in cache) == [(1,), (3,)]
+    assert cache.nbytes == 2 * row_bytes
+    cache.store_rows([(4,), (5,), (6,)], torch.stack([tensor(4), tensor(5), tensor(6)]))
+    assert len(cache) == 2 and (5,) in cache and (6,) in cache  # the batch's last rows
+    assert torch.equal(cache[(6,)], tensor(6))
+    cache.remove_if(lambda key: key == (5,))
+    assert cache.nbytes == row_bytes
+    cache.clear()
+    assert cache.nbytes == 0
+    tiny = OutputCache(maxsize=100, max_bytes=row_bytes - 1)  # holds no row
+    tiny[(1,)] = tensor(1)
+    assert len(tiny) == 0 and tiny.nbytes == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        OutputCache(maxsize=1, max_bytes=-1)
+
+
 def test_evicts_the_least_recently_used():
     cache = OutputCache(maxsize=2)
     cache[(1,)] = tensor(1)

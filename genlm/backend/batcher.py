@@ -191,6 +191,24 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         for queue in self._live_queues():
             self._flush_queue(queue)
 
+    def retain(self, keep: Callable[[RequestT], bool]) -> None:
+        """Drop the waiting requests for which `keep` is false; their callers are cancelled.
+
+        Args:
+            keep: Called with each waiting request (not with those being evaluated).
+        """
+        for queue in self._live_queues():
+            run = _runner(queue.loop)
+            for key, entry in list(queue.pending.items()):
+                if keep(entry.request):
+                    continue
+                del queue.pending[key]
+                for future in entry.futures:
+                    if run is not None:
+                        run(future.cancel)
+            if not queue.pending:
+                queue.cancel_timer()
+
     def reset(self) -> None:
         """Cancel every waiting and in-flight caller; queued requests are dropped."""
         for queue in self._live_queues():

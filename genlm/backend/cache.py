@@ -37,10 +37,11 @@ class _RowPool:
     are the ones the oldest entries just left, usually one run.
     """
 
-    __slots__ = ("rows", "free", "cursor")
+    __slots__ = ("rows", "free", "cursor", "row_nbytes")
 
     def __init__(self, like: torch.Tensor, capacity: int):
         self.rows = like.new_empty((capacity, *like.shape[1:]))
+        self.row_nbytes = self.rows[0].numel() * self.rows.element_size()
         self.free = set(range(capacity))
         self.cursor = 0  # the slot after the last batch's
 
@@ -118,15 +119,24 @@ class OutputCache:
             `0` keeps nothing.
         move_to_cpu: Store entries on the CPU and return them on the device
             they were stored from (saves accelerator memory).
+        max_bytes: Most bytes of stored rows kept (`None`: no bound but
+            `maxsize`); the least recently used entries are evicted first.
+
+    Attributes:
+        nbytes: Bytes of the entries stored now.
 
     Raises:
-        ValueError: If `maxsize` is negative.
+        ValueError: If `maxsize` or `max_bytes` is negative.
     """
 
-    def __init__(self, maxsize: int, move_to_cpu: bool = False):
+    def __init__(self, maxsize: int, move_to_cpu: bool = False, max_bytes: int | None = None):
         if maxsize < 0:
             raise ValueError(f"maxsize must be non-negative, got {maxsize}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be non-negative or None, got {max_bytes}")
         self.maxsize = maxsize
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.move_to_cpu = move_to_cpu
         self._entries: OrderedDict[Hashable, tuple[_RowPool, int, torch.device]] = OrderedDict()
         self._pools: dict[tuple, _RowPool] = {}
@@ -169,25 +179,39 @@ class OutputCache:
                 0, or `len(keys)` tensors of one shape, dtype and device (e.g.
                 views of several steps' results), gathered as they are copied.
         """
-        if self.maxsize == 0:
+        if self.maxsize == 0 or len(keys) == 0:
             return
+        limit = self._row_limit(values[0].numel() * values[0].element_size())
         index_of = {key: index for index, key in enumerate(keys)}
-        kept = list(index_of)[max(len(index_of) - self.maxsize, 0) :]
+        kept = list(index_of)[max(len(index_of) - limit, 0) :]
         if kept:
             with self._lock:
-                self._store(kept, [index_of[key] for key in kept], values)
+                self._store(kept, [index_of[key] for key in kept], values, limit)
+
+    def _row_limit(self, row_nbytes: int) -> int:
+        """Most rows of `row_nbytes` bytes the bounds allow."""
+        if self.max_bytes is None:
+            return self.maxsize
+        return min(self.maxsize, self.max_bytes // max(row_nbytes, 1))
 
     def _store(
         self,
         kept: list[Hashable],
         indices: list[int],
         values: torch.Tensor | Sequence[torch.Tensor],
+        limit: int,
     ) -> None:
         for key in kept:
             self._drop(key)
-        while len(self._entries) + len(kept) > self.maxsize:
+        row_nbytes = values[0].numel() * values[0].element_size()
+        max_bytes = math.inf if self.max_bytes is None else self.max_bytes
+        while self._entries and (
+            len(self._entries) + len(kept) > self.maxsize
+            or self.nbytes + len(kept) * row_nbytes > max_bytes
+        ):
             pool, slot, _ = self._entries.popitem(last=False)[1]
             pool.free.add(slot)
+            self.nbytes -= pool.row_nbytes
         if isinstance(values, torch.Tensor):
             if indices != list(range(values.shape[0])):
                 values = values[indices]
@@ -204,8 +228,9 @@ class OutputCache:
         pool = self._pools.get(pool_key)
         if pool is None:
             pool = self._pools[pool_key] = _RowPool(like, len(kept))
-        for key, slot in zip(kept, pool.put(values, self.maxsize), strict=True):
+        for key, slot in zip(kept, pool.put(values, limit), strict=True):
             self._entries[key] = (pool, slot, device)
+        self.nbytes += len(kept) * pool.row_nbytes
 
     def clear(self) -> None:
         """Remove every entry.
@@ -218,6 +243,7 @@ class OutputCache:
             for pool, slot, _ in self._entries.values():
                 pool.free.add(slot)
             self._entries.clear()
+            self.nbytes = 0
 
     def remove_if(self, predicate: Callable[[Hashable], bool]) -> int:
         """Remove the entries whose key satisfies `predicate`.
@@ -238,6 +264,7 @@ class OutputCache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             entry[0].free.add(entry[1])
+            self.nbytes -= entry[0].row_nbytes
 
 
 class _Block:

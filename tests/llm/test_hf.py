@@ -298,6 +298,45 @@ async def test_add_query_and_batch_evaluate_queries(lm):
     assert_exact(lm, random_ids(12, 5), second.result())
 
 
+async def test_add_query_takes_token_ids_as_in_0_3(lm):
+    lm.timeout = 60
+    loop = asyncio.get_running_loop()
+    plain, listed = loop.create_future(), loop.create_future()
+    context = random_ids(40, 6)
+    lm.add_query(context, plain, None)  # a list of ids, as 0.3.x takes it
+    lm.add_query(context + [3], listed, None, lora_name=None)
+    assert [q.token_ids for q in lm.queries] == [tuple(context), tuple(context + [3])]
+    lm.batch_evaluate_queries()
+    assert_exact(lm, context, plain.result())
+    assert_exact(lm, context + [3], listed.result())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm.add_query([-1], loop.create_future(), None)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'missing'"):
+        lm.add_query(context, loop.create_future(), None, lora_name="missing")
+    assert lm.queries == []
+
+
+async def test_assigning_queries_drops_them_and_cancels_their_callers(lm):
+    lm.timeout = 60
+    kept_ids, dropped_ids = random_ids(41, 5), random_ids(42, 5)
+    kept = asyncio.ensure_future(lm.next_token_logprobs(kept_ids))
+    dropped = asyncio.ensure_future(lm.next_token_logprobs(dropped_ids))
+    await asyncio.sleep(0)
+    assert len(lm.queries) == 2
+    lm.queries = [q for q in lm.queries if q.token_ids == tuple(kept_ids)]
+    assert [q.token_ids for q in lm.queries] == [tuple(kept_ids)]
+    with pytest.raises(ValueError, match="queued queries"):
+        lm.queries = [Query(dropped_ids)]
+    assert len(lm.queries) == 1
+    lm.queries = []
+    assert lm.queries == []
+    for task in (dropped, kept):
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=30)
+    lm.timeout = 0
+    assert_exact(lm, kept_ids, await lm.next_token_logprobs(kept_ids))
+
+
 async def test_batch_size_and_timeout_are_attributes(lm):
     lm.batch_size, lm.timeout = 2, 60
     contexts = [random_ids(13, 4), random_ids(14, 4)]

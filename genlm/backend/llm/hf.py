@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import threading
 from collections.abc import Hashable, Sequence
 from collections.abc import Set as AbstractSet
@@ -38,9 +39,14 @@ from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
 from genlm.backend.llm.base import AsyncLM, check_token_ids
 from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace
+from genlm.backend.llm.passes import Row, plan_passes
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-DEFAULT_CACHE_SIZE = 256
+# Results of recent queries: 256 MiB holds 1,365 rows of a 49,152-token vocabulary (float32),
+# enough for an LLM critic that rescores every prefix of 32 particles' contexts for 32 steps
+# without recomputing one (`benchmarks/bench_scoring.py`).
+DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2
+DEFAULT_MAX_BATCH_BYTES = 2 * 1024**3
 
 
 class Query:
@@ -83,12 +89,15 @@ class AsyncTransformer(AsyncLM):
     """A Hugging Face causal LM with automatic batching and prefix caching.
 
     Concurrent `next_token_logprobs` calls are batched (see `batch_size`,
-    `timeout`); each batch is one forward pass over the tokens that no cached
-    prefix covers. Key/values of every evaluated context are kept in a radix
+    `timeout`); a batch runs the model once over the tokens of the tree its
+    contexts spell that no cached prefix covers: a context that is a prefix of
+    another one of the batch is read from the longer one's row, at its own
+    position. Key/values of every evaluated context are kept in a radix
     tree bounded by `kv_cache_bytes` (least recently used, unlocked entries are
     evicted first; a sampler's last step stays in the batch buffer until a
-    batch does not continue it); results are kept in an `OutputCache` of
-    `cache_size` entries.
+    batch does not continue it); results are kept in an `OutputCache` bounded
+    by `output_cache_bytes` (and by `cache_size` rows, if given); a batch's
+    working memory stays within `max_batch_bytes`.
     Results agree with `next_token_logprobs_uncached` (a plain forward pass).
 
     Args:
@@ -98,7 +107,19 @@ class AsyncTransformer(AsyncLM):
             when the event loop goes quiet; see `genlm.backend.batcher`).
         timeout: ... or this many seconds after the oldest waiting query arrived.
         kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
-        cache_size: Number of results (log-probability rows) kept.
+        cache_size: Most results (log-probability rows) kept; `None`: as many
+            as `output_cache_bytes` holds.
+        output_cache_bytes: Memory budget of the kept results, in bytes.
+        max_batch_bytes: Bound on the working memory of batches, in bytes: the
+            two key/value buffers successive batches reuse, and the
+            activations and logits of the running one. A batch that would need
+            more runs as several sub-batches (results identical, in order); on
+            an accelerator a sub-batch also fits the memory free there.
+
+    Raises:
+        ValueError: If `max_batch_bytes` cannot hold a batch of one one-token
+            context (a context too long for it is a `ValueError` when queried).
+        TypeError: If `max_batch_bytes` is not an int.
 
     Attributes:
         model: The model (wrapped in a `peft.PeftModel` once an adapter is added).
@@ -114,7 +135,9 @@ class AsyncTransformer(AsyncLM):
         batch_size: int = 20,
         timeout: float = 0.02,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_size: int | None = None,
+        output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ):
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
@@ -123,10 +146,25 @@ class AsyncTransformer(AsyncLM):
         self._max_length = getattr(config, "max_position_embeddings", None)
         self._aligned_pasts = _has_sliding_window(config)
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings
-        self._device = hf_model.get_input_embeddings().weight.device
+        embeddings = hf_model.get_input_embeddings().weight
+        self._device = embeddings.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
+        self._heads, self._token_kv_bytes, self._token_activation_bytes = _token_sizes(
+            config, self._n_layers, embeddings.element_size()
+        )
+        if isinstance(max_batch_bytes, bool) or not isinstance(max_batch_bytes, int):
+            raise TypeError(f"max_batch_bytes must be an int, got {max_batch_bytes!r}")
+        self.max_batch_bytes = max_batch_bytes
+        smallest = 2 * self._working_set(1, 1, 1, 1)
+        if max_batch_bytes < smallest:
+            raise ValueError(
+                f"max_batch_bytes={max_batch_bytes} cannot hold a batch of one one-token "
+                f"context of this model (about {smallest} bytes, two buffers)"
+            )
         self.kv_cache = KVPrefixCache(kv_cache_bytes)
-        self.output_cache = OutputCache(cache_size)
+        self.output_cache = OutputCache(
+            sys.maxsize if cache_size is None else cache_size, max_bytes=output_cache_bytes
+        )
         self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
             self._evaluate, batch_size, timeout, key=lambda query: query.key
         )
@@ -196,8 +234,28 @@ class AsyncTransformer(AsyncLM):
 
     @property
     def queries(self) -> list[Query]:
-        """The queries waiting for a batch, oldest first."""
+        """The queries waiting for a batch, oldest first.
+
+        Assigning a list keeps only the queued queries in it: `lm.queries = []`
+        drops every queued query, and the callers of dropped queries get
+        `asyncio.CancelledError` (nobody is left waiting).
+
+        Raises:
+            ValueError: On assignment, if the list holds a query that is not
+                queued (queue queries with `add_query`).
+        """
         return self._batcher.pending
+
+    @queries.setter
+    def queries(self, value: Sequence[Query]) -> None:
+        queued = {id(query) for query in self._batcher.pending}
+        kept = {id(query) for query in value}
+        if not kept <= queued:
+            raise ValueError(
+                "lm.queries may only be set to a selection of the queued queries "
+                "(e.g. []); queue new ones with add_query(token_ids, future, past)"
+            )
+        self._batcher.retain(lambda query: id(query) in kept)
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
@@ -324,21 +382,34 @@ class AsyncTransformer(AsyncLM):
             found = self.kv_cache.match(token_ids, self.loras.active)
         return found.node, found.length, found if found.length else None, found.length
 
-    def add_query(self, query: Query, future: asyncio.Future, past: PrefixMatch | None) -> None:
-        """Queue `query`; `future` receives its log-probabilities when its batch has run.
+    def add_query(
+        self,
+        query: Query | Sequence[int],
+        future: asyncio.Future,
+        past: PrefixMatch | None,
+        lora_name: str | None = None,
+    ) -> None:
+        """Queue a query; `future` receives its log-probabilities when its batch has run.
 
         Only the tokens not covered by `past` (or by a longer cached prefix) are
         run through the model.
 
         Args:
-            query: The query.
+            query: The context's token ids (as in 0.3.x), or a `Query`.
             future: A future of the running event loop.
             past: A cached prefix of the query's tokens, e.g. from `walk_cache`.
+            lora_name: The adapter for token ids (`None`: the active one, if
+                any); for a `Query`, replaces its adapter unless `None`.
 
         Raises:
-            ValueError: For bad token ids in `query` (see `check_token_ids`).
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        query.token_ids = self._check(query.token_ids)
+        if isinstance(query, Query):
+            query.token_ids = self._check(query.token_ids)
+            if lora_name is not None:
+                query.adapter = self.loras.check(lora_name)
+        else:
+            query = Query(self._check(query), self.loras.select(lora_name))
         if past is not None:
             query.past = past
         self._batcher.add(query, future)
@@ -485,11 +556,15 @@ class AsyncTransformer(AsyncLM):
         n_new = len(contexts[0]) - length
         if any(len(context) - length != n_new for context in contexts):
             return None
+        if self._working_set(len(contexts), length + n_new, n_new, len(contexts)) > (
+            self._batch_limit()
+        ):
+            return None  # too big for one batch: sub-batches from the tree instead
         self._spill(keep=set(sources))  # the rows no query continues
         order = sorted(range(len(queries)), key=sources.__getitem__)
         rows = self._run(
             adapter,
-            [queries[i] for i in order],
+            [contexts[i] for i in order],
             [length] * len(queries),
             None,
             (storage, [sources[i] for i in order]),
@@ -501,29 +576,55 @@ class AsyncTransformer(AsyncLM):
     ) -> tuple[torch.Tensor, list[int]]:
         """Run `queries` on the longest cached prefixes of their contexts in the tree.
 
-        Returns the results and the query of each row.
+        The batch runs as `plan_passes` plans it: a context that is a prefix of
+        another is read from the longer one's row, and a long uncached prefix
+        that several rows share runs once, in a pass before theirs.
+
+        Returns:
+            The results and the query of each row.
         """
-        pasts = [self._longest_past(query) for query in queries]
+        passes = plan_passes(
+            [query.token_ids for query in queries],
+            lambda ids: self.kv_cache.match(ids, adapter).length,
+        )
+        outputs: list[torch.Tensor] = []
+        order: list[int] = []
+        for rows in passes:
+            found = self._run_pass(adapter, rows, queries, only_pass=len(passes) == 1)
+            outputs.append(found[0])
+            order += found[1]
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), order
+
+    def _run_pass(
+        self, adapter: str | None, rows: list[Row], queries: list[Query], only_pass: bool
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One pass of `plan_passes`, in as many sub-batches as padding and memory want.
+
+        Returns:
+            The rows read (in order) and the query each answers.
+        """
+        pasts = [self._row_past(adapter, row, queries) for row in rows]
         for past in pasts:
             self.kv_cache.lock(past.node)
         try:
-            groups = self._plan(pasts, queries)
+            groups = self._plan(pasts, rows)
             outputs = [
                 self._run(
                     adapter,
-                    [queries[g] for g in group],
+                    [rows[g].context for g in group],
                     [pasts[g].length for g in group],
                     [pasts[g].segments for g in group],
                     None,
-                    only_batch=len(groups) == 1,
+                    reads=[rows[g].reads for g in group],
+                    only_batch=only_pass and len(groups) == 1,
                 )
                 for group in groups
             ]
         finally:
             for past in pasts:
                 self.kv_cache.unlock(past.node)
-        rows = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return rows, [g for group in groups for g in group]
+        rows_read = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return rows_read, [q for group in groups for g in group for q in rows[g].queries]
 
     def _spill(self, keep: AbstractSet[int] = frozenset()) -> None:
         """Insert the last batch's rows (but those in `keep`) into the tree.
@@ -540,77 +641,123 @@ class AsyncTransformer(AsyncLM):
         if not keep:
             self._workspace.forget()
 
-    def _longest_past(self, query: Query) -> PrefixMatch:
-        # At least one token must run: its logits are the result.
-        found = self.kv_cache.match(query.token_ids, query.adapter, len(query.token_ids) - 1)
-        given = query.past
-        if given is not None and found.length < given.length < len(query.token_ids):
+    def _row_past(self, adapter: str | None, row: Row, queries: list[Query]) -> PrefixMatch:
+        """The longest cached prefix a row may start from: it runs its first read's last token."""
+        first_read = row.reads[0] if row.reads else len(row.context)
+        found = self.kv_cache.match(row.context, adapter, first_read - 1)
+        given = queries[row.queries[0]].past if row.reads == [len(row.context)] else None
+        if given is not None and found.length < given.length < len(row.context):
             return PrefixMatch(found.node, given.length, given.node_tokens, given.segments)
         return found
 
-    def _plan(self, pasts: list[PrefixMatch], queries: list[Query]) -> list[list[int]]:
-        """Split a batch into sub-batches in which padding at most about doubles the work."""
+    def _plan(self, pasts: list[PrefixMatch], rows: list[Row]) -> list[list[int]]:
+        """Split a pass into sub-batches in which padding at most about doubles the work
+        and whose working memory fits the batch budget."""
         sizes = [
-            (len(query.token_ids) - past.length, past.length)
-            for query, past in zip(queries, pasts, strict=True)
+            (len(row.context) - past.length, past.length)
+            for row, past in zip(rows, pasts, strict=True)
         ]
+        limit = self._batch_limit()
         groups: list[list[int]] = []
-        max_past = real_new = real_all = 0  # of the last group
+        max_past = real_new = real_all = reads = 0  # of the last group
         for g in sorted(range(len(sizes)), key=lambda g: sizes[g], reverse=True):
             new, past = sizes[g]
             if groups:
                 # Sorted by new tokens: the group's first member has the most.
                 group = groups[-1]
-                rows, max_new = len(group) + 1, sizes[group[0]][0]
-                max_past = max(past, max_past)
-                real_new, real_all = real_new + new, real_all + new + past
-                fits = rows * max_new <= 2 * real_new + 8
-                fits &= rows * (max_new + max_past) <= 2 * real_all + 64 * rows
+                n_rows, max_new = len(group) + 1, sizes[group[0]][0]
+                grown_past = max(past, max_past)
+                fits = n_rows * max_new <= 2 * (real_new + new) + 8
+                fits &= n_rows * (max_new + grown_past) <= 2 * (real_all + new + past) + 64 * n_rows
                 fits &= not (self._aligned_pasts and past != sizes[group[0]][1])
+                fits &= (
+                    self._working_set(
+                        n_rows, max_new + grown_past, max_new, reads + len(rows[g].reads)
+                    )
+                    <= limit
+                )
                 if fits:
                     group.append(g)
+                    max_past, real_new, real_all = grown_past, real_new + new, real_all + new + past
+                    reads += len(rows[g].reads)
                     continue
+            needed = self._working_set(1, new + past, new, len(rows[g].reads))
+            if needed > limit:
+                raise ValueError(
+                    f"a context of {len(rows[g].context)} tokens ({new} to run) needs about "
+                    f"{needed / 2**20:.0f} MiB of batch working memory, more than the "
+                    f"{limit / 2**20:.0f} MiB a batch may use (half of max_batch_bytes="
+                    f"{self.max_batch_bytes}, and on an accelerator at most its free memory): "
+                    "raise max_batch_bytes"
+                )
             groups.append([g])
-            max_past, real_new, real_all = past, new, new + past
+            max_past, real_new, real_all, reads = past, new, new + past, len(rows[g].reads)
         for group in groups:  # rows with common prefixes side by side (see `BatchKV`)
-            group.sort(key=lambda g: queries[g].token_ids)
+            group.sort(key=lambda g: rows[g].context)
         return groups
+
+    def _working_set(self, n_rows: int, slots: int, n_new: int, n_reads: int) -> int:
+        """Bytes a batch of `n_rows` rows of `slots` tokens, `n_new` of them new, may use:
+        its key/value buffer (with spare slots), activations and logits (an estimate)."""
+        buffer_slots = KVWorkspace.storage_slots(slots)
+        per_row = buffer_slots * self._token_kv_bytes + n_new * (
+            self._token_activation_bytes + 4 * self._heads * slots
+        )
+        return n_rows * per_row + n_reads * self.vocab_size * 8  # logits, and float32 rows
+
+    def _batch_limit(self) -> int:
+        """Working memory one sub-batch may use: half the budget (two buffers are kept),
+        and on an accelerator at most what is free there now."""
+        limit = self.max_batch_bytes // 2
+        if self._device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self._device)
+            limit = min(limit, free)
+        return limit
 
     def _run(
         self,
         adapter: str | None,
-        queries: list[Query],
+        contexts: list[tuple[int, ...]],
         past_list: list[int],
         segments: list[tuple[torch.Tensor, ...]] | None,
         previous: tuple[torch.Tensor, list[int]] | None,
+        reads: list[list[int]] | None = None,
         only_batch: bool = True,
     ) -> torch.Tensor:
-        """One forward pass over the tokens of `queries` after their pasts; keeps the key/values.
+        """One forward pass over the tokens of `contexts` after their pasts; keeps the key/values.
 
         Args:
-            adapter: The adapter of every query.
-            queries: The queries, one row each.
-            past_list: Tokens of each query whose key/values are at hand.
+            adapter: The adapter of every row.
+            contexts: The rows' token ids.
+            past_list: Tokens of each row whose key/values are at hand.
             segments: Those key/values, as tree segments (`None` with `previous`).
             previous: The last batch's storage and each row's source row in it.
+            reads: For each row, the lengths of its prefixes whose next-token rows
+                are read (each past the row's past); `None`: each row's whole context.
             only_batch: No other pass runs before the next batch: an unpadded
                 batch's buffer is remembered for it, its rows join the tree later.
 
         Returns:
-            The results, one row per query (this batch's own tensor).
+            The rows read, row by row and read by read (this batch's own tensor).
         """
-        contexts = [query.token_ids for query in queries]
         new_tokens = [ids[past:] for ids, past in zip(contexts, past_list, strict=True)]
         new_list = [len(tokens) for tokens in new_tokens]
         past_length, n_new = max(past_list), max(new_list)
-        uniform = min(new_list) == n_new  # every row's last token in the last column
-        aligned = uniform and min(past_list) == past_length  # no padding slot anywhere
+        same_new = min(new_list) == n_new
+        aligned = same_new and min(past_list) == past_length  # no padding slot anywhere
+        if reads is None:
+            reads = [[len(ids)] for ids in contexts]
+        # Every row reads only its last token, in the last column.
+        last_only = same_new and all(
+            len(lengths) == 1 and lengths[0] == len(ids)
+            for lengths, ids in zip(reads, contexts, strict=True)
+        )
 
         inputs: dict[str, Any] = {}
         if aligned:  # without a mask the model attends to every slot, causally
             input_ids = torch.tensor(new_tokens)
             positions = torch.arange(past_length, past_length + n_new, device=self._device)
-            position_ids = positions.expand(len(queries), n_new)  # made there: no copy to it
+            position_ids = positions.expand(len(contexts), n_new)  # made there: no copy to it
         else:
             input_ids = torch.tensor(
                 [tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens]
@@ -625,13 +772,20 @@ class AsyncTransformer(AsyncLM):
                 (slots >= past_length) & (slots < past_length + new_lengths[:, None])
             )
             inputs["attention_mask"] = attention_mask.long().to(self._device)
-        if uniform:
-            if self._keeps_logits:
+        read_rows = [row for row, lengths in enumerate(reads) for _ in lengths]
+        columns = torch.tensor(
+            [
+                length - 1 - past
+                for lengths, past in zip(reads, past_list, strict=True)
+                for length in lengths
+            ],
+            dtype=torch.long,
+        )
+        if self._keeps_logits:
+            if last_only or not read_rows:
                 inputs["logits_to_keep"] = 1
-        else:
-            last_columns = torch.tensor(new_list) - 1
-            if self._keeps_logits:
-                kept, last_columns = torch.unique(last_columns, return_inverse=True)
+            else:
+                kept, columns = torch.unique(columns, return_inverse=True)
                 inputs["logits_to_keep"] = kept.to(self._device)
 
         batch = BatchKV(segments, past_length, n_new, self._n_layers, self._workspace, previous)
@@ -643,24 +797,47 @@ class AsyncTransformer(AsyncLM):
             use_cache=True,
             **inputs,
         )
-        if uniform:
+        if last_only:
             logits = output.logits[:, -1]
         else:
-            rows = torch.arange(len(queries))
-            logits = output.logits[rows, last_columns.to(output.logits.device)]
+            device = output.logits.device
+            rows = torch.tensor(read_rows, dtype=torch.long, device=device)
+            logits = output.logits[rows, columns.to(device)]
         logits = logits.float()
         # In place on the CPU (exact there; the CPU kernel reads a row before writing it):
         # a second fresh tensor per step would cost as much in page faults as the work.
         logprobs = torch.log_softmax(logits, dim=-1, out=logits if logits.is_cpu else None)
 
         if batch.buffer is not None:
+            storage = batch.storage
+            self._token_kv_bytes = (
+                storage[:, :, 0, :, 0].numel() * storage.element_size()
+            )  # measured: the model's own key/value shape and dtype
             if aligned and only_batch:
-                self._workspace.remember(adapter, contexts, batch.storage)
+                self._workspace.remember(adapter, contexts, storage)
             else:
                 for row, (ids, past) in enumerate(zip(contexts, past_list, strict=True)):
                     new_kv = batch.buffer[:, :, row, :, past_length : past_length + new_list[row]]
                     self.kv_cache.insert(ids, past, new_kv, adapter)
         return logprobs
+
+
+def _token_sizes(config: Any, n_layers: int, element_size: int) -> tuple[int, int, int]:
+    """Attention heads, and bytes per token of a model's key/values and of its activations.
+
+    Estimates from the config (the key/value size is measured at the first
+    batch): grouped-query heads and `head_dim` where the config has them.
+    """
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    kv_bytes = 2 * n_layers * kv_heads * head_dim * element_size
+    # The residual stream, attention projections and the MLP's inputs and outputs of one
+    # layer alive at once (no gradients are kept).
+    activation_bytes = (8 * hidden + 3 * intermediate) * element_size
+    return heads, kv_bytes, activation_bytes
 
 
 def _has_sliding_window(config: Any) -> bool:

@@ -170,10 +170,15 @@ class KVWorkspace:
             or (flat.dtype, flat.device) != (like.dtype, like.device)
         ):
             self._flats[self._current] = None  # free the old storage before allocating anew
-            slots = shape[-2] + shape[-2] // 4 + _SPARE_SLOTS
+            slots = self.storage_slots(shape[-2])
             flat = self._flats[self._current] = like.new_empty(per_slot * slots)
         slots = flat.numel() // per_slot
         return flat[: per_slot * slots].view(*shape[:-2], slots, shape[-1])
+
+    @staticmethod
+    def storage_slots(slots: int) -> int:
+        """Token slots of a new storage for a buffer of `slots`: room for the next steps."""
+        return slots + slots // 4 + _SPARE_SLOTS
 
     def remember(
         self, adapter: Hashable, contexts: list[tuple[int, ...]], storage: torch.Tensor

@@ -1,0 +1,175 @@
+"""Which forward passes answer a batch of contexts at the cost of its distinct new tokens.
+
+The transformers and MLX backends evaluate a batch of distinct contexts (one
+adapter) in the passes `plan_passes` returns, so that a batch costs the tokens
+of the tree its contexts spell that the key/value cache does not hold, not the
+sum of the contexts' lengths:
+
+- **Chains.** A context that is a prefix of another one of the batch is not run
+  as a row of its own: its next-token row is read from the longer context's
+  row, at its own position (all prefixes of a sequence, as a scorer or a
+  critic asks for them, are one row).
+- **Trunks.** A prefix that several rows share and the cache does not hold
+  (a prompt no earlier batch evaluated, say) runs once, in an earlier pass,
+  and its key/values go into the cache, where the rows that extend it find
+  them. A trunk earns its pass only when it spares at least `min_saved`
+  tokens; shorter shared stretches are recomputed by every row through them.
+
+Rows of one pass are independent; a row of pass `k` extends trunks of passes
+before `k` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+MIN_SAVED_TOKENS = 32  # tokens a trunk must spare to get a pass of its own
+
+
+@dataclass
+class Row:
+    """One row of a forward pass.
+
+    Attributes:
+        context: The tokens the row spells (its cached past and its new tokens).
+        reads: Lengths of the prefixes of `context` whose next-token rows are
+            read from this row, ascending (empty for a trunk nobody asked for).
+        queries: For each read, the index of the context (in the planned list)
+            it answers.
+    """
+
+    context: tuple[int, ...]
+    reads: list[int] = field(default_factory=list)
+    queries: list[int] = field(default_factory=list)
+
+
+def plan_passes(
+    contexts: Sequence[tuple[int, ...]],
+    cached_length: Callable[[tuple[int, ...]], int],
+    min_saved: int = MIN_SAVED_TOKENS,
+) -> list[list[Row]]:
+    """Plan the forward passes that answer every context.
+
+    Args:
+        contexts: Distinct, non-empty contexts.
+        cached_length: Number of leading tokens of a context whose key/values
+            the cache holds now.
+        min_saved: A shared uncached prefix runs as a trunk of its own only when
+            that spares at least this many tokens.
+
+    Returns:
+        The passes, in the order they must run; every context is read exactly
+        once, from the row of one pass.
+    """
+    order = sorted(range(len(contexts)), key=contexts.__getitem__)
+    # A context is a prefix of another one iff it is a prefix of the next in sorted order;
+    # walking backwards gives each the longest context it is a prefix of (its "owner").
+    maximal: list[Row] = []
+    owner_row: Row | None = None
+    for position in reversed(range(len(order))):
+        context = contexts[order[position]]
+        if owner_row is None or not _is_prefix(context, owner_row.context):
+            owner_row = Row(context)
+            maximal.append(owner_row)
+        owner_row.reads.append(len(context))
+        owner_row.queries.append(order[position])
+    maximal.reverse()  # sorted order again
+    for row in maximal:
+        row.reads.reverse()
+        row.queries.reverse()
+    cached = [cached_length(row.context) for row in maximal]
+    trunks = _trunks(maximal, cached, min_saved)
+    if not trunks:
+        return [maximal]
+    return _passes(maximal, trunks)
+
+
+@dataclass
+class _Trunk:
+    depth: int  # length of the shared prefix
+    lo: int  # first and last maximal row (sorted) that share it
+    hi: int
+    level: int = 0  # trunks above it
+    row: Row | None = None
+
+
+def _trunks(maximal: list[Row], cached: list[int], min_saved: int) -> list[_Trunk]:
+    """The shared uncached prefixes that get passes of their own, outermost first."""
+    if len(maximal) < 2:
+        return []
+    lcps = [
+        _common_length(maximal[j - 1].context, maximal[j].context) for j in range(1, len(maximal))
+    ]
+    # The internal nodes of the trie of the sorted rows: intervals of rows with a common
+    # prefix longer than their neighbours share (a stack over the adjacent common lengths).
+    nodes: list[_Trunk] = []
+    stack: list[tuple[int, int]] = [(0, 0)]  # (depth, first row)
+    for j in range(1, len(maximal) + 1):
+        depth = lcps[j - 1] if j < len(maximal) else 0
+        lo = j - 1
+        while stack[-1][0] > depth:
+            node_depth, lo = stack.pop()
+            nodes.append(_Trunk(node_depth, lo, j - 1))
+        if stack[-1][0] < depth:
+            stack.append((depth, lo))
+    nodes.sort(key=lambda node: (node.lo, -node.hi))  # every node after the nodes above it
+    chosen: list[_Trunk] = []
+    above: list[_Trunk] = []  # chosen trunks enclosing the current node
+    for node in nodes:
+        while above and above[-1].hi < node.lo:
+            above.pop()
+        start = max(above[-1].depth if above else 0, min(cached[node.lo], node.depth))
+        if (node.hi - node.lo) * (node.depth - start) >= min_saved:
+            node.level = len(above)
+            chosen.append(node)
+            above.append(node)
+    return chosen
+
+
+def _passes(maximal: list[Row], trunks: list[_Trunk]) -> list[list[Row]]:
+    """Rows by pass: each trunk after the trunks above it, each row after its trunks."""
+    passes: list[list[Row]] = [[] for _ in range(max(t.level for t in trunks) + 2)]
+    for trunk in trunks:
+        trunk.row = Row(maximal[trunk.lo].context[: trunk.depth])
+        passes[trunk.level].append(trunk.row)
+    pending = iter(trunks)  # sorted by first row, outermost first
+    upcoming = next(pending, None)
+    path: list[_Trunk] = []  # the trunks above the current row, outermost first
+    for index, row in enumerate(maximal):
+        while path and path[-1].hi < index:
+            path.pop()
+        while upcoming is not None and upcoming.lo == index:
+            path.append(upcoming)
+            upcoming = next(pending, None)
+        # Each read goes to the first segment of the row's path that reaches it.
+        segments = [trunk.row for trunk in path] + [row]
+        ends = [trunk.depth for trunk in path] + [len(row.context)]
+        reads, queries = row.reads, row.queries
+        row.reads, row.queries = [], []
+        segment = 0
+        for length, query in zip(reads, queries, strict=True):
+            while length > ends[segment]:
+                segment += 1
+            segments[segment].reads.append(length)
+            segments[segment].queries.append(query)
+        passes[len(path)].append(row)
+    return [rows for rows in passes if rows]
+
+
+def _is_prefix(short: tuple[int, ...], long: tuple[int, ...]) -> bool:
+    return len(short) < len(long) and long[: len(short)] == short
+
+
+def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

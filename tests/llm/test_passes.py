@@ -1,0 +1,75 @@
+"""plan_passes against a brute-force count of a batch's distinct uncached tokens."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genlm.backend.llm.passes import plan_passes
+
+PROMPT = (7, 7, 1)  # cached before the batch; every context extends it
+
+
+def prefixes(context):
+    return {context[:n] for n in range(1, len(context) + 1)}
+
+
+def run(passes, cached):
+    """Simulate the backend: each row runs from its longest cached prefix (never past its
+    first read), its tokens then join the cache. Returns the tokens run and the reads."""
+    tokens, reads = 0, {}
+    for rows in passes:
+        for row in rows:
+            limit = min(row.reads, default=len(row.context)) - 1
+            past = max((n for n in range(limit + 1) if row.context[:n] in cached), default=0)
+            tokens += len(row.context) - past
+            for length, query in zip(row.reads, row.queries, strict=True):
+                assert query not in reads, "a context is read twice"
+                reads[query] = row.context[:length]
+        for row in rows:  # a pass's key/values join the cache after the pass
+            cached |= prefixes(row.context)
+    return tokens, reads
+
+
+contexts_strategy = st.lists(
+    st.lists(st.integers(0, 2), min_size=1, max_size=12).map(lambda t: PROMPT + tuple(t)),
+    min_size=1,
+    max_size=12,
+    unique=True,
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(contexts=contexts_strategy, min_saved=st.sampled_from([1, 4, 32]))
+def test_every_context_read_once_from_its_own_position(contexts, min_saved):
+    cached = prefixes(PROMPT)
+    passes = plan_passes(contexts, lambda c: len(PROMPT), min_saved)
+    tokens, reads = run(passes, set(cached))
+    assert reads == dict(enumerate(contexts))
+    assert tokens <= sum(len(c) - len(PROMPT) for c in contexts)
+    if min_saved == 1:  # every shared stretch runs once: the batch's tree of new tokens
+        distinct = set().union(*map(prefixes, contexts)) - cached
+        assert tokens == len(distinct)
+
+
+def test_all_prefixes_of_a_sequence_are_one_row():
+    sequence = tuple(range(10, 58))
+    passes = plan_passes([sequence[:n] for n in range(1, 49)], lambda c: 0)
+    assert len(passes) == 1 and len(passes[0]) == 1
+    assert passes[0][0].context == sequence
+    assert passes[0][0].reads == list(range(1, 49))
+
+
+def test_a_long_shared_uncached_prompt_runs_once_first():
+    prompt = tuple(range(100, 164))
+    contexts = [prompt + (i, i + 1) for i in range(8)]
+    passes = plan_passes(contexts, lambda c: 0)
+    assert [[row.context for row in rows] for rows in passes] == [[prompt], contexts]
+    assert passes[0][0].reads == []
+    # Cached already: no trunk.
+    assert len(plan_passes(contexts, lambda c: len(prompt))) == 1
+
+
+@pytest.mark.parametrize("shared", [1, 3])
+def test_short_shared_stretches_are_recomputed(shared):
+    contexts = [tuple(range(shared)) + (50 + i,) for i in range(4)]
+    assert len(plan_passes(contexts, lambda c: 0)) == 1  # (4 - 1) * 3 < 32 tokens spared

@@ -65,7 +65,7 @@ async def test_all_prefixes_of_a_sequence_are_one_row_of_one_pass(lm):
     assert_exact(lm, prefixes, rows)
 
 
-async def test_prefixes_read_past_a_cached_prefix_and_across_particles(lm):
+async def test_prefixes_are_read_from_their_particles_rows_past_the_cached_prompt(lm):
     prompt = random_ids(2, 12)
     lm.cache_kv(prompt)
     lm.output_cache.clear()  # the prompt's own row must be computed again
@@ -74,8 +74,8 @@ async def test_prefixes_read_past_a_cached_prefix_and_across_particles(lm):
     contexts = [prompt] + [p[:n] for p in particles for n in range(13, 18)]
     with TokenCounter(lm) as counter:
         rows = await lm.batch_next_token_logprobs(contexts)
-    # The prompt is read from a particle's row, which runs from its last token on.
-    assert sorted(counter.shapes) == [(3, 6)]
+    # Each particle's prefixes are read from its row; the prompt, cached, runs its last token.
+    assert counter.shapes == [(4, 5)]
     assert_exact(lm, contexts, rows)
 
 

@@ -154,6 +154,23 @@ async def run_smc(lm, plain, n, steps, seed, resample_every=3, lockstep=False):
     return checked
 
 
+async def test_nested_and_shared_contexts_cost_their_distinct_new_tokens(lm, plain):
+    sequence = random_ids(30, 36)
+    prefixes = [sequence[:n] for n in range(1, 37)]
+    prompt = random_ids(31, 40)
+    particles = [prompt + random_ids(32 + i, 2) for i in range(4)]
+    spy = Spy(lm)
+    try:
+        scored = await lm.batch_next_token_logprobs(prefixes)  # every prefix: one row
+        shared = await lm.batch_next_token_logprobs(particles)  # the prompt runs once, first
+    finally:
+        spy.close()
+    assert spy.shapes == [(1, 36), (1, 40), (4, 2)]
+    for contexts, rows in ((prefixes, scored), (particles, shared)):
+        for context, row in zip(contexts, rows, strict=True):
+            assert_close(row, mlx_reference(plain, context))
+
+
 async def test_resampled_particles_of_different_lengths_match_a_plain_forward(lm, plain):
     assert await run_smc(lm, plain, n=5, steps=7, seed=6) == 35
     assert len(lm.kv_cache) > 0

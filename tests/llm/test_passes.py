@@ -73,3 +73,12 @@ def test_a_long_shared_uncached_prompt_runs_once_first():
 def test_short_shared_stretches_are_recomputed(shared):
     contexts = [tuple(range(shared)) + (50 + i,) for i in range(4)]
     assert len(plan_passes(contexts, lambda c: 0)) == 1  # (4 - 1) * 3 < 32 tokens spared
+
+
+def test_a_prefix_inside_the_cached_part_of_its_row_runs_alone():
+    prompt = tuple(range(30))
+    contexts = [prompt[:3], prompt[:12], prompt + (5, 6)]
+    passes = plan_passes(contexts, lambda c: min(len(c), 25))  # prompt[:25] cached
+    rows = {row.context: row.reads for row in passes[0]}
+    assert len(passes) == 1
+    assert rows == {prompt[:3]: [3], prompt[:12]: [12], prompt + (5, 6): [32]}

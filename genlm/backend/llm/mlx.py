@@ -36,6 +36,7 @@ from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import AsyncLM, check_token_ids
 from genlm.backend.llm.hf_batch import KVWorkspace
+from genlm.backend.llm.passes import Row, plan_passes
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_CACHE_SIZE = 256
@@ -353,31 +354,46 @@ class AsyncMlxLM(AsyncLM):
                     todo.setdefault(adapter, []).append(i)
             for adapter, indices in todo.items():
                 contexts = [requests[i][1] for i in indices]
-                # At least one token must run: its logits are the result.
-                pasts = [self.kv_cache.match(ids, adapter, len(ids) - 1) for ids in contexts]
-                for past in pasts:
-                    self.kv_cache.lock(past.node)
-                try:
-                    rows = self._run(adapter, contexts, pasts)
-                finally:
-                    for past in pasts:
-                        self.kv_cache.unlock(past.node)
-                self.output_cache.store_rows([requests[i] for i in indices], rows)
-                for i, row in zip(indices, rows.unbind(0), strict=True):
+                passes = plan_passes(
+                    contexts, lambda ids, adapter=adapter: self.kv_cache.match(ids, adapter).length
+                )
+                outputs, order = [], []
+                for rows in passes:
+                    outputs.append(self._run_pass(adapter, rows))
+                    order += [indices[q] for row in rows for q in row.queries]
+                rows_read = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+                self.output_cache.store_rows([requests[i] for i in order], rows_read)
+                for i, row in zip(order, rows_read.unbind(0), strict=True):
                     results[i] = row  # a view of this batch's own tensor
             return results
 
-    def _run(
-        self, adapter: str | None, contexts: list[tuple[int, ...]], pasts: list[PrefixMatch]
-    ) -> torch.Tensor:
-        """One forward pass over the uncached tokens of `contexts`; caches their key/values.
+    def _run_pass(self, adapter: str | None, rows: list[Row]) -> torch.Tensor:
+        """One pass of `plan_passes`: each row from its longest cached prefix, before its
+        first read's last token (that token's logits are a result)."""
+        pasts = [
+            self.kv_cache.match(
+                row.context, adapter, (row.reads[0] if row.reads else len(row.context)) - 1
+            )
+            for row in rows
+        ]
+        for past in pasts:
+            self.kv_cache.lock(past.node)
+        try:
+            return self._run(adapter, rows, pasts)
+        finally:
+            for past in pasts:
+                self.kv_cache.unlock(past.node)
+
+    def _run(self, adapter: str | None, rows: list[Row], pasts: list[PrefixMatch]) -> torch.Tensor:
+        """One forward pass over the uncached tokens of `rows`; caches their key/values.
 
         Returns:
-            The results, one row per context (this batch's own tensor).
+            The rows read, row by row and read by read (this batch's own tensor).
         """
         import mlx.core as mx
 
         engine = _engine()
+        contexts = [row.context for row in rows]
         past_lengths = [past.length for past in pasts]
         new_tokens = [ids[length:] for ids, length in zip(contexts, past_lengths, strict=True)]
         new_lengths = [len(tokens) for tokens in new_tokens]
@@ -386,9 +402,10 @@ class AsyncMlxLM(AsyncLM):
         previous = workspace.recall(adapter, contexts, past_lengths)
         if previous is not None:
             caches, sources = previous
-            rows = None if sources == list(range(caches[0].keys.shape[0])) else mx.array(sources)
+            identity = sources == list(range(caches[0].keys.shape[0]))
+            source_rows = None if identity else mx.array(sources)
             for cache in caches:
-                cache.start(batch, rows)
+                cache.start(batch, source_rows)
         else:
             segments = [past.segments for past in pasts]
             caches = engine.gather_layers(segments, batch, len(self.model.layers))
@@ -396,9 +413,15 @@ class AsyncMlxLM(AsyncLM):
         inputs = mx.array([tokens + (0,) * (batch.n_new - len(tokens)) for tokens in new_tokens])
         self._selection.name = adapter
         logits = self.model(inputs, cache=caches)
-        last = logits[mx.arange(batch.rows), mx.array(new_lengths) - 1].astype(mx.float32)
+        read_rows = [index for index, row in enumerate(rows) for _ in row.reads]
+        columns = [
+            length - 1 - past_length
+            for row, past_length in zip(rows, past_lengths, strict=True)
+            for length in row.reads
+        ]
+        read = logits[mx.array(read_rows or [0]), mx.array(columns or [0])].astype(mx.float32)
         new_kv = mx.stack([mx.stack(cache.new_key_values()) for cache in caches])
-        mx.eval(last, new_kv)
+        mx.eval(read, new_kv)
 
         key_values = engine.to_torch(new_kv)  # [layers, 2, rows, kv_heads, n_new, head_dim]
         for row, (ids, past_length) in enumerate(zip(contexts, past_lengths, strict=True)):
@@ -409,7 +432,9 @@ class AsyncMlxLM(AsyncLM):
             workspace.remember(adapter, contexts, caches)
         # MLX's float32 `logsumexp` sums 10^4-10^5 terms less accurately than torch's
         # (~1e-4 nats on SmolLM2), so torch normalises.
-        return torch.log_softmax(engine.to_torch(last), dim=-1)
+        if not read_rows:  # a trunk nobody asked for: its key/values are the point
+            return torch.empty((0, logits.shape[-1]))
+        return torch.log_softmax(engine.to_torch(read), dim=-1)
 
 
 def _rope_config(model_name: str) -> dict[str, Any]:

@@ -8,7 +8,8 @@ sum of the contexts' lengths:
 - **Chains.** A context that is a prefix of another one of the batch is not run
   as a row of its own: its next-token row is read from the longer context's
   row, at its own position (all prefixes of a sequence, as a scorer or a
-  critic asks for them, are one row).
+  critic asks for them, are one row). Unless the cache holds the longer
+  context past it: then it runs alone, one token from its cached prefix.
 - **Trunks.** A prefix that several rows share and the cache does not hold
   (a prompt no earlier batch evaluated, say) runs once, in an earlier pass,
   and its key/values go into the cache, where the rows that extend it find
@@ -79,10 +80,21 @@ def plan_passes(
         row.reads.reverse()
         row.queries.reverse()
     cached = [cached_length(row.context) for row in maximal]
+    # A read inside the cached part of its row would make the row recompute from there:
+    # it runs alone instead, from its own cached prefix (one token).
+    alone: list[Row] = []
+    for row, length in zip(maximal, cached, strict=True):
+        inside = sum(1 for read in row.reads if read <= length)
+        if inside:
+            alone += [
+                Row(row.context[:read], [read], [query])
+                for read, query in zip(row.reads[:inside], row.queries[:inside], strict=True)
+            ]
+            del row.reads[:inside], row.queries[:inside]
     trunks = _trunks(maximal, cached, min_saved)
-    if not trunks:
-        return [maximal]
-    return _passes(maximal, trunks)
+    passes = _passes(maximal, trunks) if trunks else [maximal]
+    passes[0] = alone + passes[0]
+    return passes
 
 
 @dataclass

@@ -9,6 +9,12 @@ from genlm.backend import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, T
 
 VOCAB = [b"a", b"ab", b"abc", b"b", b"", b"ba"]
 
+# Plain byte strings are deprecated items (see tests/trie/test_trie.py for the warning);
+# they work, and keep these tests short.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Passing plain bytes to TokenCharacterTrie is deprecated:DeprecationWarning"
+)
+
 
 class RecordingTrie(TokenCharacterTrie):
     """A trie that records its batched calls and can be told to fail."""

@@ -7,6 +7,7 @@ import collections
 import math
 import multiprocessing
 import shutil
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import graphviz
@@ -16,9 +17,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genlm.backend import ParallelTokenCharacterTrie, Token, TokenCharacterTrie
+from genlm.backend import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    Token,
+    TokenCharacterTrie,
+)
 from genlm.backend.trie import base as trie_base
 from genlm.backend.trie import parallel as trie_parallel
+
+# Plain byte strings are still supported items (deprecated in favour of `Token`s), and most
+# vocabularies here use them on purpose; the warning itself is tested below
+# (`test_plain_bytes_warn_once_per_trie`), which records warnings whatever the filters.
+PLAIN_BYTES_WARNING = "Passing plain bytes to TokenCharacterTrie is deprecated"
+pytestmark = pytest.mark.filterwarnings(f"ignore:{PLAIN_BYTES_WARNING}:DeprecationWarning")
 
 
 def symbols_of(item) -> tuple:
@@ -362,11 +374,66 @@ def test_wrong_lengths_raise(make):
 
 @pytest.mark.parametrize("make", CLASSES, ids=CLASS_IDS)
 def test_duplicates_raise(make):
-    with pytest.raises(ValueError, match="duplicate"):
+    # 0.3.x's message prefix, then the item and both of its positions.
+    with pytest.raises(
+        ValueError, match=r"^Duplicate word in vocabulary: b'a' is both decode\[0\] and decode\[2\]"
+    ):
         make([b"a", b"b", b"a"])
-    with pytest.raises(ValueError, match="duplicate"):
-        make([Token(3, b"a"), Token(3, b"a")])
+    with pytest.raises(
+        ValueError,
+        match=r"^Duplicate word in vocabulary: \(b'a', 3\) is both decode\[1\] and decode\[2\]",
+    ):
+        make([Token(2, b"a"), Token(3, b"a"), Token(3, b"a")])
+    with pytest.raises(ValueError, match=r"^Duplicate word in vocabulary: \(1, 2\)"):
+        make([(1, 2), "ab", (1, 2)])
     make([Token(3, b"a"), Token(4, b"a"), b"a"])  # distinct keys
+
+
+# Every way of building a trie from a vocabulary.
+BUILDERS = [
+    *CLASSES[:2],
+    lambda vocab: AsyncTokenCharacterTrie.from_vocab(vocab, backend="parallel", device="cpu").trie,
+    lambda vocab: AsyncTokenCharacterTrie.from_vocab(vocab, backend="sequential").trie,
+]
+BUILDER_IDS = [*CLASS_IDS[:2], "from_vocab-parallel", "from_vocab-sequential"]
+
+
+@pytest.mark.parametrize("make", BUILDERS, ids=BUILDER_IDS)
+def test_plain_bytes_warn_once_per_trie(make):
+    plain = [b"a", b"ab", b"b", b"", EndOfSequence()]
+    tokens = [Token(0, b"a"), Token(1, b"ab"), Token(2, b"b"), Token(3, b""), EndOfSequence()]
+    ws = np.array([0.1, 0.2, 0.3, 0.15, 0.25])
+    for vocab in (plain, [tokens[0], b"ab", tokens[2], bytearray(b""), tokens[4]]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trie = make(vocab)
+        [warning] = caught  # one warning per trie, however many plain items
+        assert warning.category is DeprecationWarning
+        message = str(warning.message)
+        assert message.startswith(PLAIN_BYTES_WARNING)
+        assert "pass Token items instead" in message and "decode_vocab" in message
+        assert warning.filename == __file__  # points at the code that built the trie
+        # Still works: the same trie as the Tokens give.
+        expected = make(tokens)
+        np.testing.assert_array_equal(trie.weight_sum(ws), expected.weight_sum(ws))
+        assert trie.children == expected.children
+    with pytest.warns(DeprecationWarning, match=f"^{PLAIN_BYTES_WARNING}") as record:
+        make([b"x", b"y", b"z"])
+    assert len(record) == 1 and "3 of the 3 items are plain bytes" in str(record[0].message)
+
+
+@pytest.mark.parametrize("make", BUILDERS, ids=BUILDER_IDS)
+def test_tokens_and_symbol_items_do_not_warn(make, gpt2_vocab):
+    vocabularies = [
+        [Token(0, b"a"), Token(1, b"ab"), EndOfSequence((EOS_SYMBOL,))],
+        ["ab", (1, 2), [300, "x"], EndOfSequence()],
+        [*gpt2_vocab, EndOfSequence()],  # decode_vocab's Tokens, as the project's code passes
+        [],
+    ]
+    for vocab in vocabularies:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            make(vocab)
 
 
 def test_bad_items_raise():

@@ -15,14 +15,29 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
+from collections.abc import Mapping
 from itertools import accumulate
+from typing import Any
 
 
 class ByteDecoderError(ValueError):
     """The byte strings of a tokenizer's tokens cannot be recovered.
 
-    Raised by `decode_vocab`; the message starts "Could not decode byte
+    Raised by `check_byte_decoder` (a byte decoder that cannot round-trip the
+    tokenizer) and, as its subclass `ByteVocabError`, by `decode_vocab` and
+    `get_byte_vocab`; the message starts "Could not decode byte
     representation" and says which tokens and why.
+    """
+
+
+class ByteVocabError(ByteDecoderError):
+    """A tokenizer's vocabulary cannot be turned into bytes.
+
+    Raised by `decode_vocab` and `get_byte_vocab` when the tokenizer has no
+    `tokenizers` backend, or a decoder whose tokens do not stand for fixed
+    bytes (one that is neither byte-level nor SentencePiece-style, such as
+    WordPiece, or no decoder at all). A `ByteDecoderError`, hence a
+    `ValueError`; the message starts "Could not decode byte representation".
     """
 
 
@@ -113,3 +128,91 @@ def byte_pieces_to_bytes(token_strings: list[str | bytes]) -> list[str | bytes]:
         other items unchanged.
     """
     return [_BYTE_PIECES.get(piece, piece) for piece in token_strings]
+
+
+def get_byte_vocab(tokenizer: Any) -> list[bytes]:
+    """The byte strings of a tokenizer's vocabulary, by token id.
+
+    The bytes of `decode_vocab(tokenizer)[0]`, as plain `bytes` (no `Token`s
+    and no string vocabulary are built).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer backed by the `tokenizers` library.
+
+    Returns:
+        A list of length `len(tokenizer)`: item `i` is the bytes token `i`
+        contributes to decoded text.
+
+    Raises:
+        ByteVocabError: (a `ByteDecoderError` and a `ValueError`) If the
+            vocabulary cannot be turned into bytes (see `decode_vocab`).
+    """
+    from genlm.backend.tokenization.vocab import _vocab_bytes
+
+    return _vocab_bytes(tokenizer).token_bytes
+
+
+def check_byte_decoder(tokenizer: Any, byte_decoder: Mapping[str, int]) -> None:
+    """Check that a byte decoder round-trips every token of a tokenizer.
+
+    A byte decoder maps each character of a byte-level alphabet to the byte
+    it spells (as `unicode_to_byte()` does for the GPT-2 alphabet). It
+    round-trips the tokenizer when, for every token of the model's vocabulary
+    (added and special tokens, which stand for their text, are left out),
+    mapping the token's string character by character gives exactly the
+    bytes the tokenizer's own decoder gives (those of `get_byte_vocab`).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer backed by the `tokenizers` library.
+        byte_decoder: Dict from one-character strings to byte values (0-255).
+
+    Raises:
+        ByteDecoderError: If an entry of `byte_decoder` is not a character
+            mapped to a byte value, if it has no entry for a character of a
+            token, or if a token maps to other bytes than the tokenizer's; the
+            message starts "Could not decode byte representation" and names
+            examples. Its subclass `ByteVocabError` if the tokenizer's own
+            bytes cannot be recovered (see `decode_vocab`).
+    """
+    from genlm.backend.tokenization.vocab import _vocab_bytes
+
+    prefix = (
+        f"Could not decode byte representation of the tokens of {type(tokenizer).__name__} "
+        "with this byte decoder"
+    )
+    table = {}
+    for char, byte in byte_decoder.items():
+        if not (isinstance(char, str) and len(char) == 1) or not (
+            isinstance(byte, int) and not isinstance(byte, bool) and 0 <= byte < 256
+        ):
+            raise ByteDecoderError(
+                f"{prefix}: it must map single characters to byte values 0-255, "
+                f"but maps {char!r} to {byte!r}"
+            )
+        table[ord(char)] = chr(byte)
+    vocab = _vocab_bytes(tokenizer)
+    ids = [i for i in range(len(vocab.token_bytes)) if i not in vocab.added_ids]
+    strings = [vocab.token_strings[i] for i in ids]
+    joined = "".join(strings)
+    missing = sorted(set(joined).difference(byte_decoder))
+    if missing:
+        raise ByteDecoderError(
+            f"{prefix}: it has no byte for {len(missing)} character(s) of the tokens, "
+            f"e.g. {''.join(missing[:10])!r}"
+        )
+    # One character per byte after the translation, so token boundaries stay put.
+    blob = joined.translate(table).encode("latin-1")
+    ends = list(accumulate(map(len, strings)))
+    starts = [0, *ends[:-1]]
+    wrong = [
+        (token_id, string, blob[start:end])
+        for token_id, string, start, end in zip(ids, strings, starts, ends, strict=True)
+        if blob[start:end] != vocab.token_bytes[token_id]
+    ]
+    if wrong:
+        token_id, string, got = wrong[0]
+        raise ByteDecoderError(
+            f"{prefix}: {len(wrong)} token(s) map to other bytes than the tokenizer's, "
+            f"e.g. token {token_id} {string!r} maps to {got!r}, "
+            f"the tokenizer's bytes are {vocab.token_bytes[token_id]!r}"
+        )

@@ -9,10 +9,10 @@ from bisect import bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import accumulate, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from genlm.backend.tokenization.bytes import (
-    ByteDecoderError,
+    ByteVocabError,
     byte_level_to_bytes,
     byte_pieces_to_bytes,
 )
@@ -53,41 +53,64 @@ def decode_vocab(
 
     Raises:
         ValueError: If `byte2str_fallback` is not one of the above.
-        ByteDecoderError: (a `ValueError`) If the tokenizer has no `tokenizers`
-            backend or a decoder whose per-token bytes are not defined (e.g.
-            WordPiece, which inserts spaces between tokens); the message starts
-            "Could not decode byte representation".
+        ByteVocabError: (a `ByteDecoderError` and a `ValueError`) If the
+            vocabulary cannot be turned into bytes: the tokenizer has no
+            `tokenizers` backend, or a decoder that is neither byte-level nor
+            SentencePiece-style, whose per-token bytes are not defined (e.g.
+            WordPiece, which inserts spaces between tokens, or no decoder);
+            the message starts "Could not decode byte representation".
     """
     if byte2str_fallback not in BYTE2STR_FALLBACKS:
         raise ValueError(
             f"byte2str_fallback must be one of {BYTE2STR_FALLBACKS}, got {byte2str_fallback!r}"
         )
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
-        raise ByteDecoderError(
-            f"Could not decode byte representation of the tokens of {type(tokenizer).__name__}: "
-            "decode_vocab needs a tokenizer backed by the `tokenizers` library (a fast tokenizer)"
-        )
-    vocab_size = len(tokenizer)
     with _garbage_collection_paused():
-        token_strings = _token_strings(backend, vocab_size)
-        try:
-            token_bytes = _apply_decoder(backend, token_strings)
-        except _UndecodableError as error:
-            raise ByteDecoderError(
-                f"Could not decode byte representation of any of the {vocab_size} tokens of "
-                f"{type(tokenizer).__name__}: {error}"
-            ) from None
-        for token_id, added_token in backend.get_added_tokens_decoder().items():
-            if token_id < vocab_size:
-                token_bytes[token_id] = added_token.content.encode("utf-8")
-        byte_vocab = list(map(Token, range(vocab_size), token_bytes))
+        token_bytes, token_strings, _ = _vocab_bytes(tokenizer)
+        byte_vocab = list(map(Token, range(len(token_bytes)), token_bytes))
         str_vocab = _bytes_to_strings(token_bytes, token_strings, byte2str_fallback)
     return byte_vocab, str_vocab
 
 
+class _VocabBytes(NamedTuple):
+    """What `_vocab_bytes` recovers from a tokenizer, indexed by token id."""
+
+    token_bytes: list[bytes]
+    token_strings: list[str]
+    added_ids: frozenset[int]
+
+
+def _vocab_bytes(tokenizer: Any) -> _VocabBytes:
+    """The bytes of every token (what `decode_vocab` and `get_byte_vocab` return).
+
+    Also returns the tokenizer's own token strings, and the ids of its added
+    tokens (their bytes are their content as UTF-8, not a decoding of their
+    string). Raises `ByteVocabError` as described in `decode_vocab`.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        raise ByteVocabError(
+            f"Could not decode byte representation of the tokens of {type(tokenizer).__name__}: "
+            "it needs a tokenizer backed by the `tokenizers` library (a fast tokenizer)"
+        )
+    vocab_size = len(tokenizer)
+    token_strings = _token_strings(backend, vocab_size)
+    try:
+        token_bytes = _apply_decoder(backend, token_strings)
+    except _UndecodableError as error:
+        raise ByteVocabError(
+            f"Could not decode byte representation of any of the {vocab_size} tokens of "
+            f"{type(tokenizer).__name__}: {error}"
+        ) from None
+    added_ids = []
+    for token_id, added_token in backend.get_added_tokens_decoder().items():
+        if token_id < vocab_size:
+            token_bytes[token_id] = added_token.content.encode("utf-8")
+            added_ids.append(token_id)
+    return _VocabBytes(token_bytes, token_strings, frozenset(added_ids))
+
+
 class _UndecodableError(Exception):
-    """Why the decoder's steps give no fixed bytes per token (becomes a `ByteDecoderError`)."""
+    """Why the decoder's steps give no fixed bytes per token (becomes a `ByteVocabError`)."""
 
 
 def _token_strings(backend: Any, vocab_size: int) -> list[str]:

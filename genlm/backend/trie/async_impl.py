@@ -64,7 +64,12 @@ class AsyncTokenCharacterTrie:
             The asynchronous trie.
 
         Raises:
-            ValueError: If `backend` is not one of the two.
+            ValueError: If `backend` is not one of the two, or `vocab` has duplicate
+                items ("Duplicate word in vocabulary ...").
+
+        Warns:
+            DeprecationWarning: Once, if items are plain bytes rather than `Token`s
+                (see `TokenCharacterTrie`).
         """
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")

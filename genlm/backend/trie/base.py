@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from operator import itemgetter
@@ -63,6 +64,39 @@ def _row_pool() -> ThreadPoolExecutor:
         pool = ThreadPoolExecutor(max(1, _row_thread_count() - 1), thread_name_prefix="genlm-trie")
         pool = _ROW_POOLS.setdefault(os.getpid(), pool)
     return pool
+
+
+_TRIE_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _in_package(filename: str) -> bool:
+    return os.path.dirname(os.path.abspath(filename)) == _TRIE_PACKAGE
+
+
+def _outside_caller_stacklevel() -> int:
+    """The `stacklevel` of `warnings.warn` that names the first caller outside this package.
+
+    For a warning raised by a function of this package that calls this one, so that the
+    warning points at the user's code whichever class or factory (`from_vocab`) built the
+    trie (and the default filters, which show a `DeprecationWarning` in `__main__`, apply).
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _in_package(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_plain_bytes(decode: list, plain_bytes: list[int]) -> None:
+    """Warn once that items are plain byte strings rather than `Token`s."""
+    first = plain_bytes[0]
+    warnings.warn(
+        "Passing plain bytes to TokenCharacterTrie is deprecated: pass Token items instead, "
+        "e.g. the byte_vocab of decode_vocab(tokenizer) or Token(token_id, byte_string) "
+        f"({len(plain_bytes)} of the {len(decode)} items are plain bytes, the first is "
+        f"decode[{first}] = {bytes(decode[first])!r})",
+        DeprecationWarning,
+        stacklevel=_outside_caller_stacklevel(),
+    )
 
 
 # --------------------------------------------------------------------------- public class
@@ -139,7 +173,9 @@ class TokenCharacterTrie:
     Every item of `decode` (a `Token`, plain `bytes`, or any iterable of
     hashable symbols, such as an end-of-sequence object) is a path of symbols
     from the root, ending in a leaf of its own. Position `i` of a weight vector
-    belongs to `decode[i]`.
+    belongs to `decode[i]`. Plain byte strings (`bytes`, `bytearray`,
+    `memoryview`) still work but are deprecated: pass `Token`s, e.g. the
+    `byte_vocab` of `decode_vocab`.
 
     Attributes:
         decode: The vocabulary, as given.
@@ -172,13 +208,24 @@ class TokenCharacterTrie:
         decode: The vocabulary items.
 
     Raises:
-        ValueError: If two items have the same key (duplicates).
+        ValueError: If two items have the same key (duplicates); the message
+            starts "Duplicate word in vocabulary" and names the item and both
+            positions.
         TypeError: If an item is not bytes or an iterable of hashable symbols.
+
+    Warns:
+        DeprecationWarning: Once per trie, if any item is a plain byte string
+            rather than a `Token` ("Passing plain bytes to TokenCharacterTrie is
+            deprecated ..."). The warning points at the code that built the
+            trie, also through `ParallelTokenCharacterTrie` and
+            `AsyncTokenCharacterTrie.from_vocab`.
     """
 
     def __init__(self, decode: Sequence):
         self.decode = list(decode)
-        keys, width, codes, word_keys = _symbol_keys(self.decode)
+        keys, width, codes, word_keys, plain_bytes = _symbol_keys(self.decode)
+        if plain_bytes:
+            _warn_plain_bytes(self.decode, plain_bytes)
         self._check_duplicates(word_keys)
         trie = _sort_trie(keys, width)
         self._plan, position = _plan(trie, len(self.decode))
@@ -211,8 +258,8 @@ class TokenCharacterTrie:
             earlier = first_position.setdefault(key, position)
             if earlier != position:
                 raise ValueError(
-                    f"duplicate vocabulary item: decode[{earlier}] and decode[{position}] "
-                    f"are both {key!r}; every item must be distinct"
+                    f"Duplicate word in vocabulary: {key!r} is both decode[{earlier}] and "
+                    f"decode[{position}]; every item must be distinct"
                 )
 
     @staticmethod

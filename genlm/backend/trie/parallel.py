@@ -167,7 +167,12 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
 
     Raises:
         ValueError: If `device` is not a CPU or CUDA device, or CUDA is requested but
-            not available; or if `decode` has duplicate items.
+            not available; or if `decode` has duplicate items ("Duplicate word in
+            vocabulary ...").
+
+    Warns:
+        DeprecationWarning: Once, if items are plain bytes rather than `Token`s (see
+            `TokenCharacterTrie`).
     """
 
     def __init__(self, decode: Sequence, device: str | torch.device | None = None):

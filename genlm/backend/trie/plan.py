@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,6 +50,7 @@ _FIRST_LEVEL_BITS = 6
 _FIRST_FREE_CODE = 256
 # Cost of a table entry computed from gathered pairs, in entries of a whole table.
 _SPARSE_ENTRY_COST = 3
+_BYTES_LIKE = (bytes, bytearray, memoryview)
 
 
 # --------------------------------------------------------------------------- items
@@ -111,27 +112,46 @@ class _SymbolCodes:
         return self.symbol_of[code - 0x800]
 
 
-def _symbol_keys(decode: list) -> tuple[list[bytes], int, _SymbolCodes | None, list[Hashable]]:
-    """Fixed-width big-endian byte keys of every item (one code per `width` bytes).
+class _ItemKeys(NamedTuple):
+    """The items of a vocabulary as trie keys (what `_symbol_keys` returns).
 
-    Returns the keys, the width (1 when every symbol is a byte value, else 4),
-    the symbol codes used for width 4, and the `word2leaf` keys.
+    Attributes:
+        keys: Fixed-width big-endian byte keys of every item (one code per `width` bytes).
+        width: 1 when every symbol is a byte value, else 4.
+        codes: The symbol codes used for width 4 (None for width 1).
+        word_keys: The `word2leaf` key of every item.
+        plain_bytes: Positions of the items that are byte strings but not `Token`s.
     """
-    symbol_lists, word_keys = [], []
+
+    keys: list[bytes]
+    width: int
+    codes: _SymbolCodes | None
+    word_keys: list[Hashable]
+    plain_bytes: list[int]
+
+
+def _symbol_keys(decode: list) -> _ItemKeys:
+    """The trie keys of every item, and which items are plain byte strings."""
+    symbol_lists, word_keys, plain_bytes = [], [], []
     for position, item in enumerate(decode):
         symbols, key = _item_symbols(item, position)
         symbol_lists.append(symbols)
         word_keys.append(key)
+        if isinstance(item, _BYTES_LIKE) and not isinstance(item, Token):
+            plain_bytes.append(position)
     if all(isinstance(symbols, bytes) for symbols in symbol_lists):
-        return symbol_lists, 1, None, word_keys
+        return _ItemKeys(symbol_lists, 1, None, word_keys, plain_bytes)
     codes = _SymbolCodes()
     texts = [
         symbols.decode("latin-1") if isinstance(symbols, bytes) else codes.encode(symbols, position)
         for position, symbols in enumerate(symbol_lists)
     ]
     if len(codes.symbol_of) == _FIRST_FREE_CODE:  # iterables of byte values only
-        return [text.encode("latin-1") for text in texts], 1, None, word_keys
-    return [text.encode("utf-32-be") for text in texts], 4, codes, word_keys
+        return _ItemKeys(
+            [text.encode("latin-1") for text in texts], 1, None, word_keys, plain_bytes
+        )
+    keys = [text.encode("utf-32-be") for text in texts]
+    return _ItemKeys(keys, 4, codes, word_keys, plain_bytes)
 
 
 # --------------------------------------------------------------------------- sorted trie

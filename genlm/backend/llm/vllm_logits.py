@@ -8,8 +8,9 @@ belongs to. In vLLM's V1 model runner it is one of the sampler's logits
 processors; in the V2 model runner, which has no such list, the runner's
 sampler is wrapped (`CapturingSampler`). With one worker in this process the
 capture is read directly (`InProcessLogits`); with several worker processes
-(tensor or pipeline parallel) each worker records and one sends the rows back
-through `collective_rpc` (`WorkerLogits`).
+each worker records and one sends the rows back through `collective_rpc`
+(`WorkerLogits`; tested for tensor parallelism through vLLM's multiprocessing
+executor, not for Ray or pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -325,7 +326,8 @@ class LogprobsWorkerExtension:
     > 1): give `worker_extension_cls="genlm.backend.llm.vllm.LogprobsWorkerExtension"`
     to `vllm.LLM` (`AsyncVirtualLM.from_name` does). Each worker records into
     its own `GlobalLogprobsCapture`; one worker, the first tensor-parallel rank
-    of the last pipeline stage, sends the rows back.
+    of the last pipeline stage, sends the rows back (pipeline parallelism is
+    untested: vLLM's CPU build fails at it on its own).
     """
 
     def genlm_install_capture(self) -> int:

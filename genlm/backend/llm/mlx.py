@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +40,7 @@ from genlm.backend.llm.hf_batch import KVWorkspace
 from genlm.backend.llm.passes import Row, plan_passes
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-DEFAULT_CACHE_SIZE = 256
+DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2  # as `AsyncTransformer`'s
 _INSTALL_HINT = "the MLX backend needs MLX and mlx-lm: pip install 'genlm-backend[mlx]'"
 
 Request = tuple[str | None, tuple[int, ...]]  # (adapter, token ids): also its batching key
@@ -59,8 +60,10 @@ class AsyncMlxLM(AsyncLM):
     Concurrent `next_token_logprobs` calls are batched (see `batch_size`,
     `timeout`); each batch is one forward pass over the tokens that no cached
     prefix covers. Key/values of every evaluated context are kept in a radix
-    tree bounded by `kv_cache_bytes`; results in an `OutputCache` of
-    `cache_size` entries. Attention-only models (the usual decoder families);
+    tree bounded by `kv_cache_bytes`; results in an `OutputCache` bounded by
+    `output_cache_bytes` (and `cache_size` rows, if given). Batches are planned
+    as `AsyncTransformer`'s: a context that is a prefix of another one of its
+    batch is read from the longer one's row. Attention-only models (the usual decoder families);
     not state-space or hybrid ones.
 
     Args:
@@ -71,7 +74,9 @@ class AsyncMlxLM(AsyncLM):
             when the event loop goes quiet; see `genlm.backend.batcher`).
         timeout: ... or this many seconds after the oldest waiting query arrived.
         kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
-        cache_size: Number of results (log-probability rows) kept.
+        cache_size: Most results (log-probability rows) kept; `None`: as many
+            as `output_cache_bytes` holds.
+        output_cache_bytes: Memory budget of the kept results, in bytes.
 
     Attributes:
         model: The mlx-lm model.
@@ -92,7 +97,8 @@ class AsyncMlxLM(AsyncLM):
         batch_size: int = 20,
         timeout: float = 0.02,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-        cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_size: int | None = None,
+        output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
     ):
         engine = _engine()
         engine.check_supported(mlx_lm_model)
@@ -102,7 +108,9 @@ class AsyncMlxLM(AsyncLM):
         self._max_length = getattr(args, "max_position_embeddings", None)
         self.vocab_size = getattr(args, "vocab_size", None) or self._output_width()
         self.kv_cache = KVPrefixCache(kv_cache_bytes)
-        self.output_cache = OutputCache(cache_size)
+        self.output_cache = OutputCache(
+            sys.maxsize if cache_size is None else cache_size, max_bytes=output_cache_bytes
+        )
         self._batcher: AutoBatcher[Request, torch.Tensor] = AutoBatcher(
             self._evaluate, batch_size, timeout, key=lambda request: request
         )

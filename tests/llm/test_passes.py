@@ -82,3 +82,11 @@ def test_a_prefix_inside_the_cached_part_of_its_row_runs_alone():
     rows = {row.context: row.reads for row in passes[0]}
     assert len(passes) == 1
     assert rows == {prompt[:3]: [3], prompt[:12]: [12], prompt + (5, 6): [32]}
+
+
+def test_a_context_cached_whole_runs_only_its_last_token():
+    prompt = tuple(range(20))
+    passes = plan_passes([prompt[:5], prompt], lambda c: len(c))  # both cached whole
+    assert [[(row.context, row.reads) for row in rows] for rows in passes] == [
+        [(prompt[:5], [5]), (prompt, [20])]
+    ]

@@ -91,6 +91,9 @@ def plan_passes(
                 for read, query in zip(row.reads[:inside], row.queries[:inside], strict=True)
             ]
             del row.reads[:inside], row.queries[:inside]
+    # A row left with no read is cached whole: nothing to run.
+    cached = [length for row, length in zip(maximal, cached, strict=True) if row.reads]
+    maximal = [row for row in maximal if row.reads]
     trunks = _trunks(maximal, cached, min_saved)
     passes = _passes(maximal, trunks) if trunks else [maximal]
     passes[0] = alone + passes[0]

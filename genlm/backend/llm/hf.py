@@ -283,10 +283,9 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        adapter = self.loras.select(lora_name)
-        if len(token_ids_list) == 0:
+        queries = self._queries(token_ids_list, lora_name)
+        if not queries:
             return torch.empty((0, self.vocab_size))
-        queries = [Query(self._check(ids), adapter) for ids in token_ids_list]
         rows, missing = self.output_cache.get_rows([query.key for query in queries])
         computed = await asyncio.gather(*(self._batcher.submit(queries[i]) for i in missing))
         if rows is None:
@@ -328,10 +327,9 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
-        adapter = self.loras.select(lora_name)
-        if len(token_ids_list) == 0:
+        queries = self._queries(token_ids_list, lora_name)
+        if not queries:
             return torch.empty((0, self.vocab_size))
-        queries = [Query(self._check(ids), adapter) for ids in token_ids_list]
         distinct = {query.key: query for query in queries}
         results = dict(zip(distinct, self._evaluate(list(distinct.values())), strict=True))
         return torch.stack([results[query.key] for query in queries])
@@ -515,6 +513,13 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         self.output_cache.remove_if(lambda key: key[0] == adapter)
         self.kv_cache.drop(adapter)
         self._workspace.forget()
+
+    def _queries(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None
+    ) -> list[Query]:
+        """Checked queries of a batch call (the adapter is checked even for no context)."""
+        adapter = self.loras.select(lora_name)
+        return [Query(self._check(ids), adapter) for ids in token_ids_list]
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         return check_token_ids(token_ids, self.vocab_size, self._max_length)

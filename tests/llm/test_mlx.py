@@ -393,6 +393,33 @@ async def test_replacing_and_removing_adapters(peft_adapters, lora_lm, plain):
     assert_close(await lora_lm.next_token_logprobs(context), mlx_reference(plain, context))
 
 
+@pytest.mark.parametrize("kept", [("b",), ()], ids=["one-of-two", "the-last"])
+async def test_removing_an_adapter_while_its_query_waits_fails_only_that_query(
+    peft_adapters, lora_lm, kept
+):
+    # MLX's LoRA layers run the base weights for a name they no longer hold: without the
+    # check the removed adapter's query would get the base model's row, silently.
+    _, references = peft_adapters
+    if not kept:
+        lora_lm.remove_lora("b")
+    contexts = [random_ids(45, 6), random_ids(46, 5), random_ids(47, 4)]
+    calls = [(contexts[0], "a"), (contexts[1], None)] + [(contexts[2], name) for name in kept]
+
+    async def remove_after_one_turn():
+        await asyncio.sleep(0)
+        lora_lm.remove_lora("a")
+
+    results = await asyncio.gather(
+        *(lora_lm.next_token_logprobs(c, lora_name=name) for c, name in calls),
+        remove_after_one_turn(),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], ValueError)
+    assert "LoRA adapter 'a' was removed while this query waited" in str(results[0])
+    for (context, name), result in zip(calls[1:], results[1:], strict=False):
+        assert_close(result, hf_reference(references[name], context))
+
+
 def test_mlx_lm_adapter_matches_mlx_lm_own_lora(tiny_llama_path, tmp_path, plain):
     # An adapter in mlx-lm's own format (as `mlx_lm.lora` writes it), checked against the
     # model `mlx_lm.load(..., adapter_path=...)` builds with mlx-lm's LoRA layers.

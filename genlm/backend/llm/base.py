@@ -127,6 +127,19 @@ class LoraRegistry(Generic[AdapterT]):
             )
         return name
 
+    def removed_error(self, name: str) -> ValueError:
+        """The error of a query queued under adapter `name`, since removed.
+
+        Backends check a batch's adapters when it runs and give this error to
+        the queries of a removed one, instead of running them on whatever the
+        engine has left under that name.
+        """
+        registered = ", ".join(map(repr, self._adapters)) or "none"
+        return ValueError(
+            f"LoRA adapter {name!r} was removed while this query waited; "
+            f"registered adapters: {registered}"
+        )
+
     def select(self, lora_name: str | None) -> str | None:
         """The adapter a call with `lora_name` uses (`None`: the base model).
 

@@ -98,12 +98,7 @@ class ForwardPasses:
         every query of this adapter, and no other adapter's.
         """
         if adapter is not None and adapter not in self.loras:
-            registered = ", ".join(map(repr, self.loras.names)) or "none"
-            error = ValueError(
-                f"LoRA adapter {adapter!r} was removed while this query waited; "
-                f"registered adapters: {registered}"
-            )
-            return [error] * len(queries)
+            return [self.loras.removed_error(adapter)] * len(queries)
         answers: list[torch.Tensor | Exception | None] = [None] * len(queries)
         try:
             chunks = self._continue_last(adapter, queries)

@@ -226,6 +226,9 @@ class AsyncMlxLM(AsyncLM):
         requests = [(adapter, self._check(ids)) for ids in token_ids_list]
         distinct = list(dict.fromkeys(requests))
         results = dict(zip(distinct, self._evaluate(distinct), strict=True))
+        for result in results.values():
+            if isinstance(result, Exception):
+                raise result
         return torch.stack([results[request] for request in requests])
 
     def next_token_logprobs_uncached(
@@ -352,28 +355,49 @@ class AsyncMlxLM(AsyncLM):
 
         return self.model(mx.array([[0]])).shape[-1]
 
-    def _evaluate(self, requests: list[Request]) -> list[torch.Tensor]:
-        """The batch evaluator: one result per request, in order (callers own them)."""
+    def _evaluate(self, requests: list[Request]) -> list[torch.Tensor | Exception]:
+        """The batch evaluator: one result per request, in order (callers own them).
+
+        A request whose adapter was removed while it waited gets a `ValueError`
+        in place of its result; an error of a forward pass reaches the requests
+        of that pass's adapter only.
+        """
         with self._model_lock:
-            results: list[torch.Tensor | None] = [self.output_cache.get(r) for r in requests]
+            results: list[torch.Tensor | Exception | None] = [
+                self.output_cache.get(r) for r in requests
+            ]
             todo: dict[str | None, list[int]] = {}
             for i, (adapter, _) in enumerate(requests):
                 if results[i] is None:
                     todo.setdefault(adapter, []).append(i)
             for adapter, indices in todo.items():
-                contexts = [requests[i][1] for i in indices]
-                passes = plan_passes(
-                    contexts, lambda ids, adapter=adapter: self.kv_cache.match(ids, adapter).length
-                )
-                outputs, order = [], []
-                for rows in passes:
-                    outputs.append(self._run_pass(adapter, rows))
-                    order += [indices[q] for row in rows for q in row.queries]
-                rows_read = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-                self.output_cache.store_rows([requests[i] for i in order], rows_read)
-                for i, row in zip(order, rows_read.unbind(0), strict=True):
-                    results[i] = row  # a view of this batch's own tensor
+                try:
+                    if adapter is not None and adapter not in self.loras:
+                        raise self.loras.removed_error(adapter)
+                    rows_read, order = self._evaluate_adapter(
+                        adapter, [requests[i][1] for i in indices]
+                    )
+                except Exception as error:  # delivered to this adapter's requests
+                    for i in indices:
+                        results[i] = error
+                    continue
+                keys = [requests[indices[q]] for q in order]
+                self.output_cache.store_rows(keys, rows_read)
+                for q, row in zip(order, rows_read.unbind(0), strict=True):
+                    results[indices[q]] = row  # a view of this batch's own tensor
             return results
+
+    def _evaluate_adapter(
+        self, adapter: str | None, contexts: list[tuple[int, ...]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The rows of one adapter's contexts, in the passes `plan_passes` plans, and the
+        context each row answers."""
+        passes = plan_passes(contexts, lambda ids: self.kv_cache.match(ids, adapter).length)
+        outputs, order = [], []
+        for rows in passes:
+            outputs.append(self._run_pass(adapter, rows))
+            order += [q for row in rows for q in row.queries]
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), order
 
     def _run_pass(self, adapter: str | None, rows: list[Row]) -> torch.Tensor:
         """One pass of `plan_passes`: each row from its longest cached prefix, before its

@@ -97,6 +97,21 @@ def test_all_prefixes_of_a_long_context_run_in_segments_within_the_bound(model_a
         assert lm._working_set(1, 40, tokens, tokens) <= lm.max_batch_bytes // 2
 
 
+@pytest.mark.slow
+def test_smollm2_scores_every_prefix_in_segments_like_one_forward_pass(smollm2_path):
+    # SmolLM2 (30 layers, logits O(10)): the 1e-4 of tests/llm/test_hf.py, ~1e-5 measured.
+    lm = AsyncTransformer.from_name(str(smollm2_path), hf_opts={"dtype": torch.float32})
+    sequence = random_ids(60, 300)
+    lm.max_batch_bytes = 2 * lm._working_set(1, 300, 100, 100)
+    passes = Passes(lm)
+    try:
+        rows = lm.batch_next_token_logprobs_sync([sequence[:n] for n in range(1, 301)])
+    finally:
+        passes.close()
+    assert len(passes.shapes) >= 3 and sum(tokens for _, tokens in passes.shapes) == 300
+    torch.testing.assert_close(rows, plain_rows(lm.model, sequence), rtol=0, atol=1e-4)
+
+
 async def test_a_long_chain_in_a_batch_of_particles_keeps_every_row(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     lm = AsyncTransformer(model, tokenizer, max_batch_bytes=8 * 2**20)

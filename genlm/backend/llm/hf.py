@@ -1,17 +1,16 @@
-"""The transformers backend: `AsyncTransformer` and the `Query` it batches.
+"""The transformers backend: `AsyncTransformer` (and the `Query` it batches, from `hf_query`).
 
 How a batch is evaluated (planned passes, the batch buffer, the prefix tree,
-the working-memory bound) is in `hf_forward`; this module is the public
-surface: queries, caches, adapters.
+the working-memory bound) is `hf_forward.ForwardPasses`, which the backend
+owns; this module is the public surface: queries, caches, adapters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import sys
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
 from genlm.backend.llm.base import AsyncLM, check_token_ids
-from genlm.backend.llm.hf_batch import KVWorkspace
-from genlm.backend.llm.hf_forward import ForwardPasses, has_sliding_window, token_sizes
+from genlm.backend.llm.hf_forward import ForwardPasses
+from genlm.backend.llm.hf_query import Query
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Results of recent queries: 256 MiB holds 1,365 rows of a 49,152-token vocabulary (float32),
@@ -30,43 +29,7 @@ DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2
 DEFAULT_MAX_BATCH_BYTES = 2 * 1024**3
 
 
-class Query:
-    """A queued request for the next-token log-probabilities of one context.
-
-    Args:
-        token_ids: The whole context.
-        adapter: Name of the LoRA adapter it is evaluated under (`None`: the base model).
-        past: A cached prefix of `token_ids` (as returned by `walk_cache`) whose
-            key/values the evaluation may reuse; the cache is consulted too.
-
-    Attributes:
-        token_ids: The context, a tuple of ints.
-        adapter: The adapter name or `None`.
-        past: The prefix handed in, or `None`.
-    """
-
-    __slots__ = ("token_ids", "adapter", "past")
-
-    def __init__(
-        self,
-        token_ids: Sequence[int],
-        adapter: str | None = None,
-        past: PrefixMatch | None = None,
-    ):
-        self.token_ids = tuple(token_ids)
-        self.adapter = adapter
-        self.past = past
-
-    @property
-    def key(self) -> Hashable:
-        """Queries with equal keys have the same result."""
-        return (self.adapter, self.token_ids)
-
-    def __repr__(self) -> str:
-        return f"Query({len(self.token_ids)} tokens, adapter={self.adapter!r})"
-
-
-class AsyncTransformer(ForwardPasses, AsyncLM):
+class AsyncTransformer(AsyncLM):
     """A Hugging Face causal LM with automatic batching and prefix caching.
 
     Concurrent `next_token_logprobs` calls are batched (see `batch_size`,
@@ -131,38 +94,24 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ):
         super().__init__(hf_tokenizer)
-        self.model = hf_model.eval()
-        config = hf_model.config.get_text_config(decoder=True)
-        self._n_layers = config.num_hidden_layers
-        self._max_length = getattr(config, "max_position_embeddings", None)
-        self._aligned_pasts = has_sliding_window(config)
-        self.vocab_size = hf_model.get_input_embeddings().num_embeddings
-        embeddings = hf_model.get_input_embeddings().weight
-        self._device = embeddings.device
-        self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
-        self._heads, self._token_kv_bytes, self._token_activation_bytes = token_sizes(
-            config, self._n_layers, embeddings.element_size()
-        )
-        if isinstance(max_batch_bytes, bool) or not isinstance(max_batch_bytes, int):
-            raise TypeError(f"max_batch_bytes must be an int, got {max_batch_bytes!r}")
-        self.max_batch_bytes = max_batch_bytes
-        smallest = 2 * self._working_set(1, 1, 1, 1)
-        if max_batch_bytes < smallest:
-            raise ValueError(
-                f"max_batch_bytes={max_batch_bytes} cannot hold a batch of one one-token "
-                f"context of this model (about {smallest} bytes, two buffers)"
-            )
         self.kv_cache = KVPrefixCache(kv_cache_bytes)
         self.output_cache = OutputCache(
             sys.maxsize if cache_size is None else cache_size, max_bytes=output_cache_bytes
         )
-        self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
-            self._evaluate, batch_size, timeout, key=lambda query: query.key
-        )
-        self._workspace = KVWorkspace()
-        self._warned_out_of_memory = False
         # Batches of event loops in different threads, and sync calls, take turns.
         self._model_lock = threading.RLock()
+        self._passes = ForwardPasses(
+            hf_model.eval(),
+            self.loras,
+            self.kv_cache,
+            self.output_cache,
+            max_batch_bytes,
+            self._model_lock,
+        )
+        self.vocab_size = self._passes.vocab_size
+        self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
+            self._passes.evaluate, batch_size, timeout, key=lambda query: query.key
+        )
 
     @classmethod
     def from_name(
@@ -223,6 +172,24 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
     @timeout.setter
     def timeout(self, value: float) -> None:
         self._batcher.timeout = value
+
+    @property
+    def model(self) -> Any:
+        """The model (wrapped in a `peft.PeftModel` once an adapter is added)."""
+        return self._passes.model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        self._passes.model = value
+
+    @property
+    def max_batch_bytes(self) -> int:
+        """Bound on the working memory of batches, in bytes (see the constructor)."""
+        return self._passes.max_batch_bytes
+
+    @max_batch_bytes.setter
+    def max_batch_bytes(self, value: int) -> None:
+        self._passes.max_batch_bytes = value
 
     @property
     def queries(self) -> list[Query]:
@@ -346,7 +313,7 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         if not queries:
             return torch.empty((0, self.vocab_size))
         distinct = {query.key: query for query in queries}
-        results = dict(zip(distinct, self._evaluate(list(distinct.values())), strict=True))
+        results = dict(zip(distinct, self._passes.evaluate(list(distinct.values())), strict=True))
         for result in results.values():
             if isinstance(result, Exception):
                 raise result
@@ -368,10 +335,10 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
         adapter = self.loras.select(lora_name)
-        ids = check_token_ids(token_ids, self.vocab_size, self._max_length)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self._device)
+        ids = check_token_ids(token_ids, self.vocab_size, self._passes.max_length)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self._passes.device)
         with self._model_lock, torch.no_grad():
-            logits = self._call_model(adapter, input_ids=input_ids, use_cache=False)
+            logits = self._passes.call_model(adapter, input_ids=input_ids, use_cache=False)
         return torch.log_softmax(logits.logits[0, -1].float(), dim=-1)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
@@ -390,7 +357,7 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         """
         with self._model_lock:
             self.next_token_logprobs_sync(prompt_tokens, lora_name=lora_name)
-            self._spill()
+            self._passes.spill()
 
     def walk_cache(
         self, token_ids: Sequence[int]
@@ -409,7 +376,7 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
             Every cached token carries key/values, so `next_token_index == base`.
         """
         with self._model_lock:
-            self._spill()
+            self._passes.spill()
             found = self.kv_cache.match(token_ids, self.loras.active)
         return found.node, found.length, found if found.length else None, found.length
 
@@ -458,12 +425,12 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
         """Drop every cached result and key/value, and the batches' reusable buffer."""
         self.output_cache.clear()
         self.kv_cache.clear()
-        self._workspace.release()
+        self._passes.release()
 
     def clear_kv_cache(self) -> None:
         """Drop every cached key/value (cached results stay)."""
         self.kv_cache.clear()
-        self._workspace.forget()
+        self._passes.forget_last_batch()
 
     def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Load a peft LoRA adapter under `lora_name` (it is not activated).
@@ -532,7 +499,7 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
     def _forget_adapter(self, adapter: str) -> None:
         self.output_cache.remove_if(lambda key: key[0] == adapter)
         self.kv_cache.drop(adapter)
-        self._workspace.forget()
+        self._passes.forget_last_batch()
 
     def _queries(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None
@@ -543,14 +510,6 @@ class AsyncTransformer(ForwardPasses, AsyncLM):
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Checked token ids of a context that the working-memory bound can hold."""
-        ids = check_token_ids(token_ids, self.vocab_size, self._max_length)
-        # The least a context needs: its key/value buffer, one new token and one row read.
-        needed = self._working_set(1, len(ids), 1, 1)
-        if needed > self.max_batch_bytes // 2:
-            raise ValueError(
-                f"a context of {len(ids)} tokens needs about {needed / 2**20:.0f} MiB of batch "
-                f"working memory (its key/values and one new token), more than the "
-                f"{self.max_batch_bytes // 2**21} MiB a batch may use (half of max_batch_bytes="
-                f"{self.max_batch_bytes}): raise max_batch_bytes"
-            )
+        ids = check_token_ids(token_ids, self.vocab_size, self._passes.max_length)
+        self._passes.check_fits(ids)
         return ids

@@ -23,25 +23,26 @@ A sampler's next step extends every row of the batch before by the same number
 of tokens: it runs in the previous buffer (the new tokens go into spare slots;
 after resampling, a row whose ancestor is another row gets one copy of it)
 without touching the tree.
-Rows no batch continues are inserted into the tree (`_spill`), so the tree
+Rows no batch continues are inserted into the tree (`spill`), so the tree
 holds every evaluated context except those of the last batch.
 """
 
 from __future__ import annotations
 
 import bisect
+import inspect
 import logging
+import threading
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from genlm.backend.cache import PrefixMatch
+from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
+from genlm.backend.llm.base import LoraRegistry
 from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace
+from genlm.backend.llm.hf_query import Query
 from genlm.backend.llm.passes import Row, plan_passes
-
-if TYPE_CHECKING:
-    from genlm.backend.llm.hf import Query
 
 _log = logging.getLogger(__name__)
 
@@ -50,36 +51,112 @@ Chunk = tuple[torch.Tensor, list[int]]
 
 
 class ForwardPasses:
-    """The batch evaluation of `AsyncTransformer` (a base class of it).
+    """The batch evaluation of `AsyncTransformer`, which owns one.
 
-    It works on the backend's `model`, `loras`, `kv_cache`, `output_cache`,
-    `vocab_size`, `max_batch_bytes` and private state set by its constructor
-    (the batch workspace, the model lock, the model's shapes).
+    Args:
+        model: A `transformers` causal LM in eval mode.
+        loras: The backend's registry of LoRA adapters (read, never changed).
+        kv_cache: The key/value prefix tree batches read and fill.
+        output_cache: Where results are stored.
+        max_batch_bytes: Bound on the working memory of batches, in bytes.
+        lock: Held around every batch; whoever changes `model` holds it too.
+
+    Attributes:
+        model: The model; the backend replaces it when it wraps it for LoRA.
+        vocab_size: Length of a logprobs row (the model's input embeddings).
+        max_length: Longest context the model accepts (`None`: no limit known).
+        max_batch_bytes: The working-memory bound.
+        device: Where the model's input embeddings live (inputs go there).
+
+    Raises:
+        ValueError: If `max_batch_bytes` cannot hold a batch of one one-token context.
+        TypeError: If `max_batch_bytes` is not an int.
     """
 
-    def _call_model(self, adapter: str | None, **inputs: Any) -> Any:
+    def __init__(
+        self,
+        model: Any,
+        loras: LoraRegistry[Any],
+        kv_cache: KVPrefixCache,
+        output_cache: OutputCache,
+        max_batch_bytes: int,
+        lock: threading.RLock,
+    ):
+        self.model = model
+        self._loras = loras
+        self._kv_cache = kv_cache
+        self._output_cache = output_cache
+        self._lock = lock
+        config = model.config.get_text_config(decoder=True)
+        self._n_layers = config.num_hidden_layers
+        self.max_length: int | None = getattr(config, "max_position_embeddings", None)
+        self._aligned_pasts = has_sliding_window(config)
+        embeddings = model.get_input_embeddings()
+        self.vocab_size: int = embeddings.num_embeddings
+        self.device = embeddings.weight.device
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._heads, self._token_kv_bytes, self._token_activation_bytes = token_sizes(
+            config, self._n_layers, embeddings.weight.element_size()
+        )
+        if isinstance(max_batch_bytes, bool) or not isinstance(max_batch_bytes, int):
+            raise TypeError(f"max_batch_bytes must be an int, got {max_batch_bytes!r}")
+        smallest = 2 * self.working_set(1, 1, 1, 1)
+        if max_batch_bytes < smallest:
+            raise ValueError(
+                f"max_batch_bytes={max_batch_bytes} cannot hold a batch of one one-token "
+                f"context of this model (about {smallest} bytes, two buffers)"
+            )
+        self.max_batch_bytes = max_batch_bytes
+        self._workspace = KVWorkspace()
+        self._warned_out_of_memory = False
+
+    def call_model(self, adapter: str | None, **inputs: Any) -> Any:
+        """Run the model under `adapter` (`None`: the base model, adapters disabled)."""
         if adapter is not None:
             self.model.set_adapter(adapter)
             return self.model(**inputs)
-        if self.loras.names:
+        if self._loras.names:
             with self.model.disable_adapter():
                 return self.model(**inputs)
         return self.model(**inputs)
 
-    def _evaluate(self, queries: list[Query]) -> list[torch.Tensor | Exception]:
+    def check_fits(self, token_ids: tuple[int, ...]) -> None:
+        """Raise `ValueError` if the bound cannot hold even one new token of this context.
+
+        That is the least a context needs: its key/value buffer, one new token
+        and one row read.
+        """
+        needed = self.working_set(1, len(token_ids), 1, 1)
+        if needed > self.max_batch_bytes // 2:
+            raise ValueError(
+                f"a context of {len(token_ids)} tokens needs about {needed / 2**20:.0f} MiB of "
+                f"batch working memory (its key/values and one new token), more than the "
+                f"{self.max_batch_bytes // 2**21} MiB a batch may use (half of max_batch_bytes="
+                f"{self.max_batch_bytes}): raise max_batch_bytes"
+            )
+
+    def forget_last_batch(self) -> None:
+        """Forget the last batch's buffer (its rows are recomputed or found in the tree)."""
+        self._workspace.forget()
+
+    def release(self) -> None:
+        """Free the batch buffers."""
+        self._workspace.release()
+
+    def evaluate(self, queries: list[Query]) -> list[torch.Tensor | Exception]:
         """The batch evaluator: one result per query, in order (callers own them).
 
         A query that cannot be answered gets an exception in place of its result
         (the auto-batcher raises it to that query's callers only).
         """
-        with self._model_lock:
+        with self._lock:
             return self._evaluate_locked(queries)
 
     def _evaluate_locked(self, queries: list[Query]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception | None] = [None] * len(queries)
         todo: dict[str | None, list[int]] = {}
         for i, query in enumerate(queries):
-            results[i] = self.output_cache.get(query.key)
+            results[i] = self._output_cache.get(query.key)
             if results[i] is None:
                 todo.setdefault(query.adapter, []).append(i)
         with torch.no_grad():
@@ -97,18 +174,18 @@ class ForwardPasses:
         An error that is not one query's own (a failing model call) reaches
         every query of this adapter, and no other adapter's.
         """
-        if adapter is not None and adapter not in self.loras:
-            return [self.loras.removed_error(adapter)] * len(queries)
+        if adapter is not None and adapter not in self._loras:
+            return [self._loras.removed_error(adapter)] * len(queries)
         answers: list[torch.Tensor | Exception | None] = [None] * len(queries)
         try:
             chunks = self._continue_last(adapter, queries)
             if chunks is None:
-                self._spill()
+                self.spill()
                 chunks = self._evaluate_from_tree(adapter, queries, answers)
         except Exception as error:  # delivered to this adapter's queries
             return [error] * len(queries)
         for rows, order in chunks:  # rows[k] answers queries[order[k]]
-            self.output_cache.store_rows([queries[k].key for k in order], rows)
+            self._output_cache.store_rows([queries[k].key for k in order], rows)
             for k, row in zip(order, rows.unbind(0), strict=True):
                 answers[k] = row  # a view of this pass's own tensor
         return answers
@@ -130,10 +207,10 @@ class ForwardPasses:
         n_new = len(contexts[0]) - length
         if any(len(context) - length != n_new for context in contexts):
             return None
-        needed = self._working_set(len(contexts), length + n_new, n_new, len(contexts))
-        if needed > self._batch_limit():
+        needed = self.working_set(len(contexts), length + n_new, n_new, len(contexts))
+        if needed > self.batch_limit():
             return None  # too big for one batch: sub-batches from the tree instead
-        self._spill(keep=set(sources))  # the rows no query continues
+        self.spill(keep=set(sources))  # the rows no query continues
         order = sorted(range(len(queries)), key=sources.__getitem__)
         try:
             rows, _ = self._run(
@@ -149,7 +226,7 @@ class ForwardPasses:
             self._warn_out_of_memory(error, needed)
             # Each row's past is intact in its slots, unless rows were moved (the
             # workspace then forgot them, and they are recomputed from the tree).
-            self._spill()
+            self.spill()
             return None
         return [(rows, order)]
 
@@ -175,7 +252,7 @@ class ForwardPasses:
         """
         passes = plan_passes(
             [query.token_ids for query in queries],
-            lambda ids: self.kv_cache.match(ids, adapter).length,
+            lambda ids: self._kv_cache.match(ids, adapter).length,
         )
         chunks: list[Chunk] = []
         for rows in passes:
@@ -212,9 +289,9 @@ class ForwardPasses:
         failures: dict[int, Exception] = {}
         pasts = [self._row_past(adapter, row, queries) for row in rows]
         for past in pasts:
-            self.kv_cache.lock(past.node)
+            self._kv_cache.lock(past.node)
         try:
-            limit = self._batch_limit()
+            limit = self.batch_limit()
             alone = [g for g, row in enumerate(rows) if not self._fits(row, pasts[g].length, limit)]
             batched = [g for g in range(len(rows)) if g not in set(alone)]
             groups = [
@@ -228,7 +305,7 @@ class ForwardPasses:
                 self._run_in_segments(adapter, rows[g], pasts[g], chunks, failures)
         finally:
             for past in pasts:
-                self.kv_cache.unlock(past.node)
+                self._kv_cache.unlock(past.node)
         return failures
 
     def _run_group(
@@ -255,7 +332,7 @@ class ForwardPasses:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            needed = self._working_set(
+            needed = self.working_set(
                 len(group),
                 max(len(rows[g].context) for g in group),
                 max(len(rows[g].context) - pasts[g].length for g in group),
@@ -299,10 +376,10 @@ class ForwardPasses:
         previous: tuple[torch.Tensor, list[int]] | None = None
         max_new = max_new or len(context)
         while start < len(context):
-            limit = self._batch_limit()
+            limit = self.batch_limit()
             end = self._longest_fitting(reads, start, min(len(context), start + max_new), limit)
             if end == start:
-                needed = self._working_set(1, start + 1, 1, 1)
+                needed = self.working_set(1, start + 1, 1, 1)
                 for read, query in zip(reads, readers, strict=True):
                     failures[query] = ValueError(
                         f"a context of {read} tokens cannot run: one token after its "
@@ -326,7 +403,7 @@ class ForwardPasses:
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
-                self._warn_out_of_memory(error, self._working_set(1, end, end - start, n_reads))
+                self._warn_out_of_memory(error, self.working_set(1, end, end - start, n_reads))
                 if end - start == 1:
                     for query in readers:
                         failures[query] = error
@@ -340,7 +417,7 @@ class ForwardPasses:
     def _fits(self, row: Row, past: int, limit: int) -> bool:
         """Whether a row fits the working-memory bound alone."""
         context = len(row.context)
-        return self._working_set(1, context, context - past, len(row.reads)) <= limit
+        return self.working_set(1, context, context - past, len(row.reads)) <= limit
 
     def _longest_fitting(self, reads: list[int], start: int, stop: int, limit: int) -> int:
         """The longest prefix of a row (at most `stop` tokens, with `start` computed) whose
@@ -348,7 +425,7 @@ class ForwardPasses:
 
         def fits(end: int) -> bool:
             n_reads = bisect.bisect_right(reads, end)
-            return self._working_set(1, end, end - start, n_reads) <= limit
+            return self.working_set(1, end, end - start, n_reads) <= limit
 
         if fits(stop):
             return stop
@@ -375,7 +452,7 @@ class ForwardPasses:
             needed,
         )
 
-    def _spill(self, keep: AbstractSet[int] = frozenset()) -> None:
+    def spill(self, keep: AbstractSet[int] = frozenset()) -> None:
         """Insert the last batch's rows (but those in `keep`) into the tree.
 
         The batch is forgotten when nothing is kept.
@@ -386,14 +463,14 @@ class ForwardPasses:
         adapter, rows, length, storage = last
         for context, row in rows.items():
             if row not in keep:
-                self.kv_cache.insert(context, 0, storage[:, :, row, :, :length], adapter)
+                self._kv_cache.insert(context, 0, storage[:, :, row, :, :length], adapter)
         if not keep:
             self._workspace.forget()
 
     def _row_past(self, adapter: str | None, row: Row, queries: list[Query]) -> PrefixMatch:
         """The longest cached prefix a row may start from: it runs its first read's last token."""
         first_read = row.reads[0] if row.reads else len(row.context)
-        found = self.kv_cache.match(row.context, adapter, first_read - 1)
+        found = self._kv_cache.match(row.context, adapter, first_read - 1)
         given = queries[row.queries[0]].past if row.reads == [len(row.context)] else None
         if given is not None and found.length < given.length < len(row.context):
             return PrefixMatch(found.node, given.length, given.node_tokens, given.segments)
@@ -406,7 +483,7 @@ class ForwardPasses:
             (len(row.context) - past.length, past.length)
             for row, past in zip(rows, pasts, strict=True)
         ]
-        limit = self._batch_limit()
+        limit = self.batch_limit()
         groups: list[list[int]] = []
         max_past = real_new = real_all = reads = 0  # of the last group
         for g in sorted(range(len(sizes)), key=lambda g: sizes[g], reverse=True):
@@ -420,7 +497,7 @@ class ForwardPasses:
                 fits &= n_rows * (max_new + grown_past) <= 2 * (real_all + new + past) + 64 * n_rows
                 fits &= not (self._aligned_pasts and past != sizes[group[0]][1])
                 fits &= (
-                    self._working_set(
+                    self.working_set(
                         n_rows, max_new + grown_past, max_new, reads + len(rows[g].reads)
                     )
                     <= limit
@@ -436,7 +513,7 @@ class ForwardPasses:
             group.sort(key=lambda g: rows[g].context)
         return groups
 
-    def _working_set(self, n_rows: int, slots: int, n_new: int, n_reads: int) -> int:
+    def working_set(self, n_rows: int, slots: int, n_new: int, n_reads: int) -> int:
         """Bytes a batch of `n_rows` rows of `slots` tokens, `n_new` of them new, may use:
         its key/value buffer (with spare slots), activations and logits (an estimate)."""
         buffer_slots = KVWorkspace.storage_slots(slots)
@@ -445,15 +522,15 @@ class ForwardPasses:
         )
         return n_rows * per_row + n_reads * self.vocab_size * 8  # logits, and float32 rows
 
-    def _batch_limit(self) -> int:
+    def batch_limit(self) -> int:
         """Working memory one sub-batch may use: half the budget (two buffers are kept),
         and on an accelerator at most what is free there now."""
         limit = self.max_batch_bytes // 2
-        if self._device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self._device)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
             # Memory torch's allocator holds but does not use is free for the batch too.
-            idle = torch.cuda.memory_reserved(self._device) - torch.cuda.memory_allocated(
-                self._device
+            idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device
             )
             limit = min(limit, free + idle)
         return limit
@@ -502,7 +579,7 @@ class ForwardPasses:
         inputs: dict[str, Any] = {}
         if aligned:  # without a mask the model attends to every slot, causally
             input_ids = torch.tensor(new_tokens)
-            positions = torch.arange(past_length, past_length + n_new, device=self._device)
+            positions = torch.arange(past_length, past_length + n_new, device=self.device)
             position_ids = positions.expand(len(contexts), n_new)  # made there: no copy to it
         else:
             input_ids = torch.tensor(
@@ -510,14 +587,14 @@ class ForwardPasses:
             )
             past_lengths = torch.tensor(past_list)
             position_ids = past_lengths[:, None] + torch.arange(n_new)
-            if self._max_length is not None:
-                position_ids.clamp_(max=self._max_length - 1)  # only padding slots get clamped
+            if self.max_length is not None:
+                position_ids.clamp_(max=self.max_length - 1)  # only padding slots get clamped
             new_lengths = torch.tensor(new_list)
             slots = torch.arange(past_length + n_new)
             attention_mask = (slots < past_lengths[:, None]) | (
                 (slots >= past_length) & (slots < past_length + new_lengths[:, None])
             )
-            inputs["attention_mask"] = attention_mask.long().to(self._device)
+            inputs["attention_mask"] = attention_mask.long().to(self.device)
         read_rows = [row for row, lengths in enumerate(reads) for _ in lengths]
         columns = torch.tensor(
             [
@@ -532,13 +609,13 @@ class ForwardPasses:
                 inputs["logits_to_keep"] = 1
             else:
                 kept, columns = torch.unique(columns, return_inverse=True)
-                inputs["logits_to_keep"] = kept.to(self._device)
+                inputs["logits_to_keep"] = kept.to(self.device)
 
         batch = BatchKV(segments, past_length, n_new, self._n_layers, self._workspace, previous)
-        output = self._call_model(
+        output = self.call_model(
             adapter,
-            input_ids=input_ids.to(self._device),
-            position_ids=position_ids.to(self._device),
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids.to(self.device),
             past_key_values=batch.as_cache(),
             use_cache=True,
             **inputs,
@@ -564,7 +641,7 @@ class ForwardPasses:
             else:
                 for row, (ids, past) in enumerate(zip(contexts, past_list, strict=True)):
                     new_kv = batch.buffer[:, :, row, :, past_length : past_length + new_list[row]]
-                    self.kv_cache.insert(ids, past, new_kv, adapter)
+                    self._kv_cache.insert(ids, past, new_kv, adapter)
         return logprobs, batch.storage
 
 

@@ -1,5 +1,6 @@
 """genlm.backend: exact, batched, cached next-token log-probabilities and byte vocabularies."""
 
+from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm import (
     AsyncLM,
     AsyncMlxLM,
@@ -23,6 +24,7 @@ __all__ = [
     "AsyncTokenCharacterTrie",
     "AsyncTransformer",
     "AsyncVirtualLM",
+    "EngineDeadError",
     "MockAsyncLM",
     "ParallelTokenCharacterTrie",
     "Token",

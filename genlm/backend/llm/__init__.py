@@ -1,5 +1,6 @@
 """Language-model backends behind one asynchronous interface."""
 
+from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm.base import AsyncLM, MockAsyncLM
 from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.loading import load_model_by_name
@@ -13,6 +14,7 @@ __all__ = [
     "AsyncSGLTransformer",
     "AsyncTransformer",
     "AsyncVirtualLM",
+    "EngineDeadError",
     "MockAsyncLM",
     "load_model_by_name",
 ]

@@ -8,13 +8,16 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from genlm.backend import assets
-from genlm.backend.tokenization import Token, decode_vocab
+from genlm.backend.tokenization import Token, decode_vocab, vocab
 from genlm.backend.tokenization.bytes import (
     ByteDecoderError,
+    ByteVocabError,
     byte_level_to_bytes,
     byte_to_unicode,
+    get_byte_vocab,
     unicode_to_byte,
 )
+from genlm.backend.tokenization.vocab import bytes_to_strs
 
 # The two SentencePiece-style tokenizers; the other eight are byte-level BPE.
 SENTENCEPIECE = {"llama-spm", "phi-3"}
@@ -171,6 +174,77 @@ def test_known_tokens():
     assert byte_vocab[llama.convert_tokens_to_ids("<0xE2>")] == b"\xe2"
     assert str_vocab[llama.convert_tokens_to_ids("<0xE2>")] == "<0xE2>"
     assert byte_vocab[1] == b"<s>"
+
+
+# The 0.3.x names of `genlm.backend.tokenization.vocab`: `get_byte_vocab` and `bytes_to_strs`.
+
+
+def test_vocab_module_has_get_byte_vocab():
+    assert vocab.get_byte_vocab is get_byte_vocab
+
+
+def test_decode_vocab_calls_the_get_byte_vocab_of_its_module(monkeypatch, loaded):
+    tokenizer, _, _ = loaded("gpt-2")
+    calls = []
+
+    def replaced(tokenizer):
+        calls.append(tokenizer)
+        return [b"x", b"\xe2\x80", b"caf\xc3\xa9"]
+
+    monkeypatch.setattr(vocab, "get_byte_vocab", replaced)
+    byte_vocab, str_vocab = decode_vocab(tokenizer)
+    assert calls == [tokenizer]
+    assert byte_vocab == [Token(0, b"x"), Token(1, b"\xe2\x80"), Token(2, b"caf\xc3\xa9")]
+    assert [bytes(token) for token in byte_vocab] == [b"x", b"\xe2\x80", b"caf\xc3\xa9"]
+    assert str_vocab == ["x", tokenizer.convert_ids_to_tokens(1), "café"]
+
+
+def test_decode_vocab_says_what_it_could_not_decode(monkeypatch, loaded):
+    tokenizer, _, _ = loaded("gpt-2")
+    cause = ByteVocabError("Cannot decode vocabulary")
+
+    def replaced(tokenizer):
+        raise cause
+
+    monkeypatch.setattr(vocab, "get_byte_vocab", replaced)
+    with pytest.raises(ValueError, match="^Could not decode byte representation") as raised:
+        decode_vocab(tokenizer)
+    assert type(raised.value) is ByteVocabError
+    assert "Cannot decode vocabulary" in str(raised.value)
+    assert raised.value.__cause__ is cause
+
+
+@pytest.mark.parametrize("name", assets.TOKENIZERS)
+def test_bytes_to_strs_follows_each_fallback(name, loaded):
+    tokenizer, _, _ = loaded(name)
+    byte_vocab = get_byte_vocab(tokenizer)
+    tokenizer_strings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    fallbacks = {
+        "tokenizer": lambda token_id: tokenizer_strings[token_id],
+        "latin1": lambda token_id: byte_vocab[token_id].decode("latin-1"),
+        "replace": lambda token_id: byte_vocab[token_id].decode("utf-8", errors="replace"),
+    }
+    for fallback, decode_invalid in fallbacks.items():
+        expected = []
+        for token_id, token in enumerate(byte_vocab):
+            try:
+                expected.append(token.decode("utf-8"))
+            except UnicodeDecodeError:
+                expected.append(decode_invalid(token_id))
+        assert bytes_to_strs(tokenizer, byte_vocab, fallback) == expected, fallback
+
+
+def test_bytes_to_strs_by_hand(loaded):
+    tokenizer, _, _ = loaded("llama-spm")
+    byte_vocab = [b"<unk>", Token(1, b"\xe2"), b"caf\xc3\xa9", b"\xff\xfe"]
+    assert bytes_to_strs(tokenizer, byte_vocab, "tokenizer") == ["<unk>", "<s>", "café", "<0x00>"]
+    assert bytes_to_strs(tokenizer, byte_vocab, "latin1") == ["<unk>", "â", "café", "ÿþ"]
+    replaced = bytes_to_strs(tokenizer, byte_vocab, "replace")
+    assert replaced == ["<unk>", "\ufffd", "café", "\ufffd\ufffd"]
+    assert bytes_to_strs(tokenizer, [], "tokenizer") == []
+    for fallback in ["strict", "latin-1", None]:
+        with pytest.raises(ValueError, match="byte2str_fallback"):
+            bytes_to_strs(tokenizer, byte_vocab, fallback)
 
 
 # In-memory tokenizers: decoder steps and failure modes the ten real tokenizers do not reach.

@@ -210,19 +210,18 @@ async def test_without_cache_every_call_runs(vllm_lm, rounds):
 async def test_engine_error_reaches_every_caller_and_model_recovers(
     vllm_lm, reference, monkeypatch
 ):
-    engine = vllm_lm.llm_engine.llm_engine
-    step = engine.step
+    # An error outside the engine's step (here: the engine refuses the requests) leaves
+    # the engine alive; one inside it kills the engine (test_vllm_dead.py).
+    def refuse(*args, **kwargs):
+        raise ValueError("request refused")
 
-    def broken():
-        raise RuntimeError("engine failure")
-
-    monkeypatch.setattr(engine, "step", broken)
-    results = await asyncio.gather(
-        *(vllm_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
-    )
-    assert all(isinstance(r, RuntimeError) and "engine failure" in str(r) for r in results)
-    monkeypatch.setattr(engine, "step", step)
-    assert not engine.has_unfinished_requests()  # the failed requests were aborted
+    with monkeypatch.context() as patch:
+        patch.setattr(vllm_lm.llm_engine.llm_engine, "add_request", refuse)
+        results = await asyncio.gather(
+            *(vllm_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
+        )
+    assert [repr(r) for r in results] == ["ValueError('request refused')"] * len(PROMPTS)
+    assert not vllm_lm.llm_engine.llm_engine.has_unfinished_requests()
     assert_matches(await vllm_lm.next_token_logprobs(PROMPTS[0]), reference(PROMPTS[0]))
 
 
@@ -391,6 +390,35 @@ def test_replacing_and_removing_an_adapter(lora_lm, reference, adapters):
     with pytest.raises(ValueError, match="registered adapters: none"):
         lm.remove_lora("swap")
     assert_matches(lm.next_token_logprobs_sync(prompt), reference(prompt), LORA_DTYPE)
+
+
+async def test_a_query_whose_adapter_is_removed_while_it_waits_fails_alone(
+    lora_lm, reference, adapters
+):
+    folders, references = adapters
+    lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture, batch_size=100)
+    lm.add_new_lora(str(folders["first"]), "toy")
+    lm.add_new_lora(str(folders["second"]), "other")
+    prompt = LORA_PROMPTS[0]
+    calls = [
+        lm.next_token_logprobs(prompt, lora_name="toy"),
+        lm.next_token_logprobs(prompt, lora_name="other"),
+        lm.next_token_logprobs(prompt),
+        lm.sample(prompt, 2, [], seed=1, lora_name="toy"),
+    ]
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    await asyncio.sleep(0)
+    assert len(lm._logprobs_batcher.pending) == 3  # queued, not yet sent to the engine
+    lm.remove_lora("toy")
+    toy, other, base, toy_sample = await asyncio.gather(*tasks, return_exceptions=True)
+    for error in (toy, toy_sample):
+        assert isinstance(error, ValueError)
+        assert str(error).startswith("LoRA adapter 'toy' was removed while this query waited")
+    assert_matches(other, references["second"][tuple(prompt)], LORA_DTYPE)
+    assert_matches(base, reference(prompt), LORA_DTYPE)
+    engine = lora_lm.llm_engine.llm_engine
+    assert AsyncVirtualLM.hash_to_int("toy") not in engine.list_loras()  # never loaded again
+    lm.remove_lora("other")
 
 
 async def test_results_belong_to_the_caller_and_empty_batches(make_lm, reference):

@@ -1,11 +1,16 @@
 """`EngineLoop`'s scheduling on a stand-in engine: admission, failures, cancellation, closing.
 
 The stand-in finishes a request after as many steps as its `params` says and
-records which requests each step ran, which is what these tests check. The
-loop on a real vLLM engine is tested in `test_vllm.py`.
+records which requests each step ran, which is what these tests check. Its
+"worker processes", where a test needs them, are real processes that sleep.
+The loop on a real vLLM engine is tested in `test_vllm.py` and, when the
+engine dies, in `test_vllm_dead.py`.
 """
 
 import gc
+import multiprocessing
+import os
+import signal
 import threading
 import time
 import weakref
@@ -14,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm.vllm_engine import EngineLoop, EngineRequest
 
 LIMIT = 10  # seconds any future may take
@@ -73,8 +79,8 @@ def loop(engine):
     loop.close()
 
 
-def request(steps, prompt=(1,), lora=None):
-    return EngineRequest(tuple(prompt), steps, lora)
+def request(steps, prompt=(1,), lora=None, check=None):
+    return EngineRequest(tuple(prompt), steps, lora, check)
 
 
 def request_ids(outputs):
@@ -118,14 +124,43 @@ def test_an_empty_group_is_answered_at_once(loop, engine):
     assert engine.steps == []
 
 
-def test_a_failed_step_fails_the_running_groups_and_the_loop_goes_on(loop, engine):
+def test_a_failed_step_kills_the_engine_for_every_caller(loop, engine):
     discarded = []
+    engine.gate.clear()
+    running = loop.run([request(2), request(2)], request_ids, lambda: discarded.append(True))
+    time.sleep(0.05)  # the loop is waiting inside the first step
+    waiting = loop.run([request(1, lora="an adapter")], request_ids)  # not in the engine yet
     engine.fail_next_step = True
-    failed = loop.run([request(2), request(2)], request_ids, lambda: discarded.append(True))
-    with pytest.raises(RuntimeError, match="engine failure"):
-        failed.result(LIMIT)
-    assert len(engine.aborted) == 2 and engine.remaining == {} and discarded == [True]
-    assert len(loop.run([request(1)], request_ids).result(LIMIT)) == 1
+    engine.gate.set()
+    for group in (running, waiting):
+        with pytest.raises(EngineDeadError, match="engine failure") as caught:
+            group.result(LIMIT)
+        assert "vLLM engine died" in str(caught.value) and "cleanup()" in str(caught.value)
+        assert repr(caught.value.__cause__) == "RuntimeError('engine failure')"
+    assert loop.dead and not loop.closed
+    loop._thread.join(LIMIT)  # nothing left to serve
+    assert not loop._thread.is_alive()
+    # Later uses fail at once and leave the dead engine alone (nothing aborted or discarded).
+    with pytest.raises(EngineDeadError, match="engine failure"):
+        loop.run([request(1)], request_ids)
+    with pytest.raises(EngineDeadError, match="engine failure"):
+        loop.call(len, [])
+    with pytest.raises(EngineDeadError, match="engine failure"):
+        loop.check_alive()
+    assert engine.aborted == [] and discarded == [] and engine.steps == []
+    loop.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.run([request(1)], request_ids)
+
+
+def test_a_refused_request_stays_out_and_the_rest_of_its_group_runs(loop, engine):
+    refusal = ValueError("adapter gone")
+    requests = [request(1), request(1, lora="gone", check=lambda: refusal), request(1)]
+    outcomes = loop.run(requests, lambda outcomes: outcomes).result(LIMIT)
+    assert outcomes[1] is refusal
+    assert outcomes[0].finished and outcomes[2].finished
+    assert engine.steps == [[outcomes[0].request_id, outcomes[2].request_id]]
+    assert engine.adapters == {outcomes[0].request_id: False, outcomes[2].request_id: False}
 
 
 def test_a_refused_request_fails_its_group_and_leaves_no_request_behind(loop, engine):
@@ -174,6 +209,48 @@ def test_close_fails_unfinished_work_and_refuses_more(engine):
         loop.run([request(1)], request_ids)
     with pytest.raises(RuntimeError, match="closed"):
         loop.call(len, [])
+
+
+@pytest.fixture
+def workers():
+    """Two processes that sleep, standing in for an engine's worker processes."""
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=time.sleep, args=(LIMIT * 6,)) for _ in range(2)]
+    for process in processes:
+        process.start()
+    yield processes
+    for process in processes:
+        process.kill()
+        process.join(LIMIT)
+
+
+def test_a_worker_exit_fails_every_caller_at_once_even_during_a_step(engine, workers):
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine), workers)
+    assert loop.run([request(1)], request_ids).result(LIMIT)
+    engine.gate.clear()  # the next step waits, as vLLM's would for a dead worker
+    running = loop.run([request(3)], request_ids)
+    time.sleep(0.05)
+    killed = time.monotonic()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError) as caught:
+        running.result(LIMIT)
+    assert time.monotonic() - killed < 5  # the step still waits
+    assert f"(pid {workers[1].pid}) was killed by SIGKILL" in str(caught.value)
+    assert caught.value.__cause__ is None  # nothing was raised: the watcher saw the exit
+    with pytest.raises(EngineDeadError, match="SIGKILL"):
+        loop.call(len, [])
+    engine.gate.set()  # the step ends (in vLLM, when it shuts its executor down)
+    loop.close()
+    assert not workers[0].is_alive()  # the survivor could not have finished a step: killed
+    assert not loop._thread.is_alive() and not loop._watcher.is_alive()
+
+
+def test_closing_a_live_loop_stops_its_watcher_and_leaves_the_workers(engine, workers):
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine), workers)
+    assert loop.run([request(1)], request_ids).result(LIMIT)
+    loop.close()
+    assert not loop._watcher.is_alive() and not loop.dead
+    assert all(worker.is_alive() for worker in workers)  # vLLM's shutdown stops them
 
 
 def test_a_loop_nobody_holds_ends_its_thread(engine):

@@ -137,19 +137,18 @@ async def test_cache_and_seeded_sampling(tp_lm, rounds):
 
 
 async def test_engine_error_reaches_every_caller(tp_lm, reference, monkeypatch):
-    engine = tp_lm.llm_engine.llm_engine
-    step = engine.step
+    # The engine refuses the requests; its workers live, so it does too. A worker that
+    # dies kills the engine (test_vllm_dead.py).
+    def refuse(*args, **kwargs):
+        raise ValueError("request refused")
 
-    def broken():
-        raise RuntimeError("engine failure")
-
-    monkeypatch.setattr(engine, "step", broken)
-    results = await asyncio.gather(
-        *(tp_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
-    )
-    assert all(isinstance(r, RuntimeError) for r in results)
-    monkeypatch.setattr(engine, "step", step)
-    assert not engine.has_unfinished_requests()  # the failed requests were aborted
+    with monkeypatch.context() as patch:
+        patch.setattr(tp_lm.llm_engine.llm_engine, "add_request", refuse)
+        results = await asyncio.gather(
+            *(tp_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
+        )
+    assert [repr(r) for r in results] == ["ValueError('request refused')"] * len(PROMPTS)
+    assert not tp_lm._engine.dead
     row = await tp_lm.next_token_logprobs(PROMPTS[2])
     torch.testing.assert_close(row, reference(PROMPTS[2]), atol=ATOL, rtol=0)
 

@@ -18,6 +18,9 @@ latter, tensor parallelism through vLLM's multiprocessing executor is tested
 (CPU build); Ray, several nodes and pipeline parallelism are not (see
 docs/backends.md). Every use of vLLM internals is in `vllm_logits`; the
 engine's public `add_request` / `step` loop is in `vllm_engine`.
+
+When the engine or one of its worker processes dies, every waiting and every
+later call raises `genlm.backend.errors.EngineDeadError` (see `EngineLoop`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import hashlib
 import itertools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
@@ -81,6 +84,12 @@ class AsyncVirtualLM(AsyncLM):
     step; `sample` calls likewise. The engine runs continuously: groups that
     arrive while it works join it without waiting for the others to finish.
     Several `AsyncVirtualLM`s over one `vllm.LLM` share its engine thread.
+
+    If the engine dies (its step raises, or a worker process exits), every
+    call waiting on it and every later call that needs it raises
+    `EngineDeadError`, without touching the engine again; `cleanup()` still
+    releases what is left. A query whose adapter is removed (or replaced)
+    while it waits fails alone, with a `ValueError` naming the adapter.
 
     Args:
         llm_engine: A `vllm.LLM`. With a single worker in this process
@@ -239,6 +248,7 @@ class AsyncVirtualLM(AsyncLM):
 
         Raises:
             RuntimeError: After `cleanup()`, or when the model runs in worker processes.
+            EngineDeadError: If the engine died.
         """
         self._check_open()
         return self._engine.call(self._logits.model, self.llm_engine).result()
@@ -259,8 +269,10 @@ class AsyncVirtualLM(AsyncLM):
             A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), an unknown
+                `lora_name`, or an adapter removed while the query waited.
             RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died, before or while the query waited.
         """
         query = self._query(token_ids, lora_name)
         cached = self.cache.get(query)
@@ -283,12 +295,13 @@ class AsyncVirtualLM(AsyncLM):
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died.
         """
         query = self._query(token_ids, lora_name)
         cached = self.cache.get(query)
         if cached is not None:
             return cached
-        return self._run_logprobs([query]).result()[0]
+        return _results(self._run_logprobs([query]).result())[0]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
@@ -309,6 +322,7 @@ class AsyncVirtualLM(AsyncLM):
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died.
         """
         self._check_open()
         self.loras.select(lora_name)
@@ -316,7 +330,7 @@ class AsyncVirtualLM(AsyncLM):
             return torch.empty((0, self.vocab_size))
         queries = [self._query(token_ids, lora_name) for token_ids in token_ids_list]
         distinct = list(dict.fromkeys(queries))
-        computed = self._run_logprobs(distinct).result()
+        computed = _results(self._run_logprobs(distinct).result())
         rows = dict(zip(distinct, computed, strict=True))
         return torch.stack([rows[query] for query in queries])
 
@@ -344,8 +358,10 @@ class AsyncVirtualLM(AsyncLM):
 
         Raises:
             ValueError: For bad token ids, a negative `max_tokens`, a
-                non-positive `temperature` or an unknown `lora_name`.
+                non-positive `temperature`, an unknown `lora_name` or an
+                adapter removed while the call waited.
             RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died, before or while the call waited.
         """
         check_sampling_args(max_tokens, temperature)
         self._check_open()
@@ -373,11 +389,13 @@ class AsyncVirtualLM(AsyncLM):
             lora_path: Folder of a PEFT LoRA adapter.
             lora_name: Name to select it by (`set_lora`, or `lora_name=` per
                 call). Registering an adapter under a name in use replaces it:
-                the engine unloads the old one and its cached results are dropped.
+                the engine unloads the old one and its cached results are dropped
+                (queries still waiting for the old one fail, see `remove_lora`).
 
         Raises:
             ValueError: If the engine was created without LoRA support.
             RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died.
         """
         self._check_open()
         if self.llm_engine.llm_engine.vllm_config.lora_config is None:
@@ -387,9 +405,10 @@ class AsyncVirtualLM(AsyncLM):
             )
         from vllm.lora.request import LoRARequest
 
-        if lora_name in self.loras:
-            self._forget_adapter(lora_name)
+        replaced = self.loras[lora_name] if lora_name in self.loras else None
         self.loras.add(lora_name, LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path))
+        if replaced is not None:
+            self._forget_adapter(replaced)
 
     def set_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Use the adapter `lora_name` for calls with `lora_name=None` (results stay per adapter).
@@ -412,20 +431,23 @@ class AsyncVirtualLM(AsyncLM):
     def remove_lora(self, lora_name: str) -> None:
         """Unregister an adapter, unload it from the engine and drop its cached results.
 
+        Calls for it that are still waiting (in the batcher, or for the engine
+        to take them) fail with a `ValueError` naming the adapter; calls
+        batched with them are served. Its requests already in the engine finish.
+
         Args:
             lora_name: A registered adapter (if active, the base model becomes active).
 
         Raises:
             ValueError: If no adapter is registered under `lora_name`.
             RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died.
         """
         self._check_open()
-        self.loras.check(lora_name)
-        self._forget_adapter(lora_name)
-        self.loras.remove(lora_name)
+        self._forget_adapter(self.loras.remove(lora_name))
 
-    def _forget_adapter(self, lora_name: str) -> None:
-        request = self.loras[lora_name]
+    def _forget_adapter(self, request: Any) -> None:
+        """Drop a `LoRARequest` that is no longer registered from the cache and the engine."""
         self.cache.remove_if(lambda query: query[0] == request)
         # The engine keeps loaded adapters by id; the id of a name never changes.
         self._engine.call(self.llm_engine.llm_engine.remove_lora, request.lora_int_id).result()
@@ -444,7 +466,10 @@ class AsyncVirtualLM(AsyncLM):
         return int.from_bytes(digest[:8], "big") % (2**31 - 1) + 1
 
     def cleanup(self) -> None:
-        """Shut the engine down and free its memory; later calls raise `RuntimeError`."""
+        """Shut the engine down and free its memory; later calls raise `RuntimeError`.
+
+        Works after the engine died too: no engine thread or worker process is left.
+        """
         if self._closed:
             return
         self._closed = True
@@ -470,6 +495,20 @@ class AsyncVirtualLM(AsyncLM):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AsyncVirtualLM was cleaned up; create a new one")
+        self._engine.check_alive()
+
+    def _adapter_check(self, lora: Any) -> Callable[[], ValueError | None] | None:
+        """For a request with `lora`: whether it is still the adapter registered under its name."""
+        if lora is None:
+            return None
+
+        def check() -> ValueError | None:
+            name = lora.lora_name
+            if name in self.loras and self.loras[name] is lora:
+                return None
+            return self.loras.removed_error(name)  # removed, or replaced by another
+
+        return check
 
     def _lora_request(self, lora_name: str | None) -> Any:
         """The `LoRARequest` a call with `lora_name` uses (`None`: the base model)."""
@@ -531,12 +570,19 @@ class AsyncVirtualLM(AsyncLM):
         tags = [next(_capture_tags) for _ in queries]
         pairs = zip(queries, tags, strict=True)
         owner = self._logits.owner
-        requests = [_captured_request(ids, lora, tag, owner) for (lora, ids), tag in pairs]
+        requests = [
+            _captured_request(ids, lora, tag, owner, check=self._adapter_check(lora))
+            for (lora, ids), tag in pairs
+        ]
 
-        def finish(_outputs: list) -> list[torch.Tensor]:
-            rows = self._logits.take(tags)
-            self.cache.store_rows(queries, rows)
-            return rows
+        def finish(outcomes: list) -> list[torch.Tensor | ValueError]:
+            served = [i for i, outcome in enumerate(outcomes) if not _refused(outcome)]
+            rows = self._logits.take([tags[i] for i in served]) if served else []
+            self.cache.store_rows([queries[i] for i in served], rows)
+            results = list(outcomes)
+            for i, row in zip(served, rows, strict=True):
+                results[i] = row
+            return results
 
         def discard() -> None:  # rows recorded before the failure
             self._logits.take(tags, discard=True)
@@ -561,21 +607,29 @@ class AsyncVirtualLM(AsyncLM):
                     output_kind=RequestOutputKind.FINAL_ONLY,
                 ),
                 request.lora,
+                self._adapter_check(request.lora),
             )
             for request in requests
         ]
 
-        def finish(outputs: list) -> list[list[int]]:
+        def finish(outcomes: list) -> list[list[int] | ValueError]:
             return [
-                _until_stop(output.outputs[0].token_ids, request.eos_token_ids)
-                for request, output in zip(requests, outputs, strict=True)
+                outcome
+                if _refused(outcome)
+                else _until_stop(outcome.outputs[0].token_ids, request.eos_token_ids)
+                for request, outcome in zip(requests, outcomes, strict=True)
             ]
 
         return self._engine.run(engine_requests, finish)
 
 
 def _captured_request(
-    token_ids: Sequence[int], lora: Any, tag: int, owner: int | None, logprobs: int | None = None
+    token_ids: Sequence[int],
+    lora: Any,
+    tag: int,
+    owner: int | None,
+    logprobs: int | None = None,
+    check: Callable[[], BaseException | None] | None = None,
 ) -> EngineRequest:
     """A one-token request whose next-token row the capture `owner` (`None`: any) records."""
     # From the submodules: `from vllm import ...` goes through vLLM's lazy module
@@ -594,13 +648,26 @@ def _captured_request(
         output_kind=RequestOutputKind.FINAL_ONLY,
         extra_args=extra_args,
     )
-    return EngineRequest(tokens_input(list(token_ids)), params, lora)
+    return EngineRequest(tokens_input(list(token_ids)), params, lora, check)
 
 
 def _discard_engine(llm: Any) -> None:
     """Stop the loop that drives `llm`'s engine and shut the engine down."""
     close_engine_loop(llm)
     shutdown_engine(llm)
+
+
+def _refused(outcome: Any) -> bool:
+    """Whether a request's outcome is the error its check returned (it never ran)."""
+    return isinstance(outcome, BaseException)
+
+
+def _results(outcomes: list) -> list:
+    """`outcomes` if none is an error; else the first error is raised (a sync call's)."""
+    for outcome in outcomes:
+        if _refused(outcome):
+            raise outcome
+    return outcomes
 
 
 def _until_stop(token_ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:

@@ -5,18 +5,28 @@ arrives while another runs (a logits query during a long `sample`) waits for
 all of it. `EngineLoop` instead owns the engine's `add_request` / `step` loop:
 requests submitted while the engine works join its next step, and each group
 of requests is answered as soon as its last request finishes.
+
+The loop also notices when the engine dies (see `EngineLoop`): every caller
+waiting on it and every later one then gets `EngineDeadError`.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import multiprocessing.connection
+import signal
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
+
+from genlm.backend.errors import EngineDeadError
+from genlm.backend.llm.vllm_logits import reported_engine_death, worker_processes
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +38,20 @@ class EngineRequest(NamedTuple):
         prompt: The prompt, as an engine input (`vllm.inputs.engine.tokens_input(ids)`).
         params: Its `vllm.SamplingParams` (with `output_kind=FINAL_ONLY`).
         lora: Its `LoRARequest`, or `None` for the base model.
+        check: Called on the engine thread just before the request enters the
+            engine; an exception it returns becomes the request's outcome in
+            place of its output and the request stays out (the rest of its
+            group runs). `None`: no check.
     """
 
     prompt: Any
     params: Any
     lora: Any
+    check: Callable[[], BaseException | None] | None = None
 
 
 class _Group:
-    """Requests answered together: `finish` turns their outputs into the future's result."""
+    """Requests answered together: `finish` turns their outcomes into the future's result."""
 
     def __init__(
         self,
@@ -61,6 +76,12 @@ class _Call(NamedTuple):
 
 _STOP = object()
 _IDLE_WAKE_SECONDS = 1.0
+# How long the death of a worker may take to be reported as an exit status.
+_EXIT_STATUS_SECONDS = 1.0
+_REMEDY = (
+    "Every call on this engine now fails: call cleanup() and create a new backend "
+    "(e.g. with load_model_by_name or AsyncVirtualLM.from_name)"
+)
 
 
 class EngineLoop:
@@ -76,15 +97,31 @@ class EngineLoop:
     until the engine has finished the running ones; those that arrived after
     them wait too, so neither kind waits forever.
 
+    The engine is dead, for good, once its step raises (vLLM does not promise a
+    consistent engine after an error inside it; its own multiprocess engine
+    shuts down on one), once one of `workers` exits (a thread waits on them, so
+    this is noticed at once, even while a step waits for that worker), or once
+    another use of it fails with vLLM's own `EngineDeadError` or after a worker
+    exited. Every unanswered group and call then fails with `EngineDeadError`
+    at once, and so does every later `run` and `call`, without touching the
+    engine; the thread stops.
+
     Args:
         llm: The `vllm.LLM` whose engine this loop drives.
+        workers: The engine's worker processes (`multiprocessing` processes),
+            if it has any.
     """
 
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, workers: Sequence[Any] = ()):
         self._engine = llm.llm_engine
+        self._workers = list(workers)
         self._condition = threading.Condition()
         self._inbox: list[Any] = []
         self._closed = False
+        # Why the engine died: the message of its `EngineDeadError` and the exception it chains.
+        self._death: tuple[str, BaseException | None] | None = None
+        # Futures handed out and not answered yet: the engine's death answers them all.
+        self._unanswered: set[Future] = set()
         # Requests not yet in the engine, in arrival order: (group, position).
         self._pending: deque[tuple[_Group, int]] = deque()
         # Requests in the engine: request id -> (group, position).
@@ -95,11 +132,42 @@ class EngineLoop:
             target=_serve, args=(weakref.ref(self),), name="genlm-vllm", daemon=True
         )
         self._thread.start()
+        self._watcher: threading.Thread | None = None
+        if self._workers:
+            wake, self._wake = multiprocessing.Pipe(duplex=False)
+            sentinels = [worker.sentinel for worker in self._workers]
+            self._watcher = threading.Thread(
+                target=_watch,
+                args=(weakref.ref(self), sentinels, wake),
+                name="genlm-vllm-watch",
+                daemon=True,
+            )
+            self._watcher.start()
+            _watched.add(self)
+            # Last registered, first run: before vLLM's finalizers shut the workers down.
+            atexit.unregister(_stop_watching)
+            atexit.register(_stop_watching)
 
     @property
     def closed(self) -> bool:
-        """Whether `close()` was called (or the loop stopped on an error)."""
+        """Whether `close()` was called (or the loop stopped on an error of its own)."""
         return self._closed
+
+    @property
+    def dead(self) -> bool:
+        """Whether the engine died (see the class); `close()` still has to be called."""
+        return self._death is not None
+
+    def check_alive(self) -> None:
+        """Raise if the engine died.
+
+        Raises:
+            EngineDeadError: If it did; it says why and chains what vLLM raised, if anything.
+        """
+        death = self._death
+        if death is not None:
+            message, cause = death
+            raise EngineDeadError(message) from cause
 
     def run(
         self,
@@ -111,8 +179,9 @@ class EngineLoop:
 
         Args:
             requests: The requests.
-            finish: Called on the engine thread with the requests' `RequestOutput`s,
-                in order; its return value is the future's result.
+            finish: Called on the engine thread with the requests' outcomes, in
+                order: each one's `RequestOutput`, or the exception its `check`
+                returned; its return value is the future's result.
             discard: Called on the engine thread instead of `finish` when the
                 group fails (to drop what the engine recorded for it).
 
@@ -122,6 +191,7 @@ class EngineLoop:
 
         Raises:
             RuntimeError: After `close()`.
+            EngineDeadError: If the engine died.
         """
         group = _Group(requests, finish, discard)
         self._post(group)
@@ -139,71 +209,162 @@ class EngineLoop:
 
         Raises:
             RuntimeError: After `close()`.
+            EngineDeadError: If the engine died.
         """
         future: Future = Future()
         self._post(_Call(function, args, future))
         return future
 
     def close(self) -> None:
-        """Stop the thread; requests not finished yet fail with `RuntimeError`."""
-        with self._condition:
-            if self._closed:
-                return
-            self._closed = True
-            self._inbox.append(_STOP)
-            self._condition.notify()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        """Stop the threads; requests not finished yet fail with `RuntimeError`.
 
-    def _post(self, item: Any) -> None:
+        After a worker process died, the others are killed first: they wait in
+        the step they cannot finish without it, and so does the engine thread
+        until vLLM's own shutdown of its executor has killed them (after a
+        grace period they cannot use). Their exit is awaited.
+        """
+        with self._condition:
+            if not self._closed:
+                self._closed = True
+                self._inbox.append(_STOP)
+                self._condition.notify()
+        if self._watcher is not None:
+            self._wake.close()
+        orphans = self._death is not None and any(_exited(w) for w in self._workers)
+        if orphans:
+            for worker in self._workers:
+                worker.kill()
+        for thread in (self._thread, self._watcher):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
+        if orphans:
+            for worker in self._workers:
+                worker.join(_EXIT_STATUS_SECONDS)
+
+    def _post(self, item: _Group | _Call) -> None:
+        item.future.add_done_callback(self._answered)
         with self._condition:
             if self._closed:
                 raise RuntimeError("the vLLM engine loop was closed")
+            self.check_alive()
             self._inbox.append(item)
+            self._unanswered.add(item.future)
             self._condition.notify()
 
-    def _serve_once(self) -> bool:
-        """Take what arrived, admit requests and run one step; `False` once closed."""
+    def _answered(self, future: Future) -> None:
         with self._condition:
-            if not self._inbox and not self._running:
+            self._unanswered.discard(future)
+
+    def _mark_dead(self, cause: BaseException | None, source: str) -> None:
+        """Record the engine's death (from any thread) and fail everyone waiting on it.
+
+        Args:
+            cause: What the engine raised, if anything.
+            source: What raised it (e.g. "its step").
+        """
+        reasons = self._worker_deaths()
+        if cause is not None:
+            reasons.append(f"vLLM reported {cause!r} from {source}")
+        message = f"the vLLM engine died: {'; '.join(reasons) or 'reason unknown'}. {_REMEDY}"
+        with self._condition:
+            if self._closed or self._death is not None:
+                return
+            self._death = (message, cause)
+            unanswered = list(self._unanswered)
+            self._condition.notify()
+        logger.error("%s", message)
+        error = self._death_error()
+        for future in unanswered:
+            _answer(future, error=error)
+
+    def _death_error(self) -> EngineDeadError | None:
+        """The error every caller gets once the engine died (`None` while it lives)."""
+        if self._death is None:
+            return None
+        message, cause = self._death
+        error = EngineDeadError(message)
+        error.__cause__ = cause
+        return error
+
+    def _worker_deaths(self) -> list[str]:
+        """One line per worker process that is no longer running."""
+        deaths = []
+        for worker in self._workers:
+            if not _exited(worker):
+                continue
+            # Its exit status can lag the closing of its sentinel a little.
+            deadline = time.monotonic() + _EXIT_STATUS_SECONDS
+            while (code := worker.exitcode) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if code is None:
+                status = "is gone"
+            elif code < 0:
+                status = f"was killed by {signal.Signals(-code).name}"
+            else:
+                status = f"exited with code {code}"
+            deaths.append(f"worker process {worker.name} (pid {worker.pid}) {status}")
+        return deaths
+
+    def _is_fatal(self, exc: BaseException) -> bool:
+        """Whether `exc`, raised by a use of the engine other than its step, means it is dead."""
+        return reported_engine_death(exc) or any(_exited(w) for w in self._workers)
+
+    def _serve_once(self) -> bool:
+        """Take what arrived, admit requests and run one step; `False` once closed or dead."""
+        with self._condition:
+            if not (self._inbox or self._running or self._pending or self._death):
                 # Wake now and then: a loop nobody holds any more lets its thread end.
                 self._condition.wait(_IDLE_WAKE_SECONDS)
+            if self._death is not None:
+                return False
             inbox, self._inbox = self._inbox, []
         for item in inbox:
             if item is _STOP:
                 return False
             if isinstance(item, _Call):
                 self._call(item)
-            elif not item.future.set_running_or_notify_cancel():
+            elif not _start(item.future):
                 continue
             elif item.requests:
                 self._pending.extend((item, i) for i in range(len(item.requests)))
             else:
                 self._finish(item)
         self._admit()
-        if self._running:
+        if self._running and self._death is None:
             self._step()
         return True
 
-    def _stop(self, exc: BaseException) -> None:
-        """Fail everything not answered yet; later `run`/`call` raise."""
+    def _stop(self, error: BaseException | None = None) -> None:
+        """Fail everything not answered yet; later `run`/`call` raise.
+
+        Args:
+            error: What callers get; `None`: `EngineDeadError` if the engine
+                died, else the loop was closed.
+        """
         with self._condition:
-            self._closed = True
+            if self._death is None:
+                self._closed = True
             inbox, self._inbox = self._inbox, []
+        if error is None:
+            error = self._death_error() or RuntimeError("the vLLM engine loop was closed")
         for item in inbox:
-            if item is not _STOP and item.future.set_running_or_notify_cancel():
-                item.future.set_exception(exc)
+            if item is not _STOP and _start(item.future):
+                _answer(item.future, error=error)
         groups = {id(g): g for g, _ in [*self._running.values(), *self._pending]}
         for group in groups.values():
-            self._fail(group, exc)
+            self._fail(group, error)
 
     def _call(self, call: _Call) -> None:
-        if not call.future.set_running_or_notify_cancel():
+        if not _start(call.future):
             return
         try:
-            call.future.set_result(call.function(*call.args))
+            result = call.function(*call.args)
         except BaseException as exc:  # the caller gets it
-            call.future.set_exception(exc)
+            if self._is_fatal(exc):
+                self._mark_dead(exc, "a call into its engine")
+            _answer(call.future, error=exc)
+        else:
+            _answer(call.future, result=result)
 
     def _admit(self) -> None:
         """Move pending requests into the engine, one kind (base or adapter) at a time."""
@@ -224,9 +385,13 @@ class EngineLoop:
         self._pending = later
 
     def _add(self, group: _Group, position: int) -> None:
-        if group.future.done():  # failed while other requests of it were admitted
+        if group.future.done() or self._death is not None:  # failed meanwhile
             return
         request = group.requests[position]
+        refusal = request.check() if request.check is not None else None
+        if refusal is not None:
+            self._record(group, position, refusal)
+            return
         request_id = f"genlm-{next(self._ids)}"
         try:
             self._engine.add_request(
@@ -236,6 +401,8 @@ class EngineLoop:
                 lora_request=request.lora,
             )
         except BaseException as exc:  # the group's caller gets it
+            if self._is_fatal(exc):
+                self._mark_dead(exc, "adding a request")
             self._fail(group, exc)
             return
         group.request_ids.append(request_id)
@@ -244,51 +411,108 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
-        except BaseException as exc:  # every running group's caller gets it
-            for group in {id(g): g for g, _ in self._running.values()}.values():
-                self._fail(group, exc)
+        except BaseException as exc:  # the engine is dead: every caller gets EngineDeadError
+            self._mark_dead(exc, "its step")
+            return
+        if self._death is not None:  # died during the step: its outputs may be incomplete
             return
         for output in outputs:
             if not output.finished or output.request_id not in self._running:
                 continue
             group, position = self._running.pop(output.request_id)
-            group.outputs[position] = output
-            group.remaining -= 1
-            if group.remaining == 0:
-                self._finish(group)
+            self._record(group, position, output)
+
+    def _record(self, group: _Group, position: int, outcome: Any) -> None:
+        group.outputs[position] = outcome
+        group.remaining -= 1
+        if group.remaining == 0:
+            self._finish(group)
 
     def _finish(self, group: _Group) -> None:
+        if group.future.done():  # failed meanwhile (the engine died)
+            return
         try:
-            group.future.set_result(group.finish(group.outputs))
+            result = group.finish(group.outputs)
         except BaseException as exc:  # the group's caller gets it
-            group.future.set_exception(exc)
+            if self._is_fatal(exc):
+                self._mark_dead(exc, "reading a group's results")
+            _answer(group.future, error=exc)
+        else:
+            _answer(group.future, result=result)
 
     def _fail(self, group: _Group, exc: BaseException) -> None:
         """Take the group's requests out of the engine and pass `exc` to its caller."""
         in_engine = [rid for rid in group.request_ids if self._running.pop(rid, None)]
         self._pending = deque(entry for entry in self._pending if entry[0] is not group)
-        try:
-            if in_engine:
-                self._engine.abort_request(in_engine)
-            group.discard()
-        except Exception:  # the caller gets `exc`; this one is only logged
-            logger.exception("cleaning up after a failed vLLM request group failed too")
-        if not group.future.done():
-            group.future.set_exception(exc)
+        if self._death is None:  # a dead engine is not touched again
+            try:
+                if in_engine:
+                    self._engine.abort_request(in_engine)
+                group.discard()
+            except Exception:  # the caller gets `exc`; this one is only logged
+                logger.exception("cleaning up after a failed vLLM request group failed too")
+        _answer(group.future, error=exc)
+
+
+def _exited(worker: Any) -> bool:
+    """Whether a worker process has ended (its sentinel is ready before `is_alive` knows)."""
+    return bool(multiprocessing.connection.wait([worker.sentinel], timeout=0))
+
+
+def _start(future: Future) -> bool:
+    """Mark `future` running; `False` if it was cancelled or already answered (engine death)."""
+    if future.done():
+        return False
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # answered by the engine's death meanwhile
+        return False
+
+
+def _answer(future: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Answer `future` unless it was answered or cancelled already (by another thread)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def _serve(loop_ref: weakref.ref) -> None:
-    """The engine thread: serves the loop while anyone holds it (and it is open)."""
+    """The engine thread: serves the loop while anyone holds it (and it is open and alive)."""
     while (loop := loop_ref()) is not None:
         try:
             if not loop._serve_once():
-                loop._stop(RuntimeError("the vLLM engine loop was closed"))
+                loop._stop()
                 return
         except BaseException as exc:  # a bug here must not hang any caller
             logger.exception("the vLLM engine loop stopped")
             loop._stop(RuntimeError(f"the vLLM engine loop stopped: {exc!r}"))
             return
         del loop
+
+
+def _watch(loop_ref: weakref.ref, sentinels: list[int], wake: Any) -> None:
+    """The watcher thread: the engine is dead once a worker exits, unless woken first."""
+    try:
+        ready = multiprocessing.connection.wait([*sentinels, wake])
+    finally:
+        wake.close()
+    loop = loop_ref()
+    if loop is not None and wake not in ready:
+        loop._mark_dead(None, "")
+
+
+# Loops whose workers are watched. At interpreter exit vLLM's finalizers shut the
+# workers of engines nobody cleaned up down: that is no death to report.
+_watched: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+def _stop_watching() -> None:
+    for loop in list(_watched):
+        loop._wake.close()
 
 
 def _uses_adapter(entry: tuple[_Group, int]) -> bool:
@@ -307,12 +531,13 @@ def engine_loop(llm: Any) -> EngineLoop:
         llm: A `vllm.LLM`.
 
     Returns:
-        Its `EngineLoop` (a new one if the last was closed).
+        Its `EngineLoop` (a new one if the last was closed; the same one, dead,
+        if its engine died).
     """
     with _loops_lock:
         loop = getattr(llm, _LOOP_ATTRIBUTE, None)
         if loop is None or loop.closed:
-            loop = EngineLoop(llm)
+            loop = EngineLoop(llm, worker_processes(llm))
             setattr(llm, _LOOP_ATTRIBUTE, loop)
         return loop
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -410,6 +411,35 @@ def logits_source(llm: Any, capture: GlobalLogprobsCapture) -> InProcessLogits |
 
 def shutdown_engine(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
+
+
+def worker_processes(llm: Any) -> list[Any]:
+    """The worker processes of `llm`'s engine (`multiprocessing` processes).
+
+    Those of vLLM's multiprocessing executor when the engine core runs in this
+    process (`AsyncVirtualLM.from_name` sets that up); none for a single worker
+    in this process or for an engine core in a process of its own (whose
+    death vLLM reports itself, with its `EngineDeadError`).
+    """
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    executor = getattr(core, "model_executor", None)
+    return [handle.proc for handle in getattr(executor, "workers", None) or ()]
+
+
+def reported_engine_death(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it chains, is vLLM's own `EngineDeadError`."""
+    # Not imported: then vLLM raised none (and importing it here would cost seconds).
+    exceptions = sys.modules.get("vllm.v1.engine.exceptions")
+    if exceptions is None:
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, exceptions.EngineDeadError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def vllm_chose_v2_runner(llm: Any) -> bool:

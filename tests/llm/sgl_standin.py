@@ -46,6 +46,12 @@ one-token greedy requests, the only kind the backend sends.
 Unlike SGLang's scheduler, which trusts its TokenizerManager to send only
 loaded adapters' ids, the stand-in checks `lora_id` itself, so a driver that
 sends a stale id sees an abort instead of wrong numbers.
+
+Failures for tests to inject: `fail_next_run` makes the next `run_batch`
+raise once; `device_error` makes every `run_batch` from then on raise it, as
+a GPU whose context a device error (an illegal memory access, a device-side
+assert) corrupted does. `run_attempts` counts `run_batch` calls, failed ones
+included.
 """
 
 from __future__ import annotations
@@ -273,6 +279,8 @@ class Scheduler:
         self.batch_adapters: list[list[str | None]] = []  # each batch's requests' lora_id
         self.finished_reqs: list[Req] = []
         self.fail_next_run: Exception | None = None
+        self.device_error: Exception | None = None
+        self.run_attempts = 0
 
     # -- requests ---------------------------------------------------------------
     def process_input_requests(self, recv_reqs: list[Any]) -> None:
@@ -357,6 +365,9 @@ class Scheduler:
             raise AssertionError("SGLang's event loop runs batches without gradients")
         if self.cur_batch is not batch:
             raise AssertionError("cur_batch must be the batch being run")
+        self.run_attempts += 1
+        if self.device_error is not None:
+            raise self.device_error
         if self.fail_next_run is not None:
             error, self.fail_next_run = self.fail_next_run, None
             raise error

@@ -621,6 +621,24 @@ async def test_a_request_for_an_adapter_the_scheduler_lacks_is_aborted(lora_lm, 
     assert_lora_matches(await lora_lm.next_token_logprobs(context, "a"), "a", context, reference)
 
 
+async def test_a_query_whose_adapter_is_removed_while_it_waits_fails_alone(lora_lm, lora_setup):
+    _, reference = lora_setup
+    context = llama_contexts()[0]
+    names = ("a", "b", None)
+    tasks = [asyncio.ensure_future(lora_lm.next_token_logprobs(context, n)) for n in names]
+    await asyncio.sleep(0)
+    assert len(lora_lm._batcher.pending) == 3  # queued, not yet handed to the scheduler
+    lora_lm.remove_lora("a")
+    removed, *served = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(removed, ValueError)
+    assert str(removed) == (
+        "LoRA adapter 'a' was removed while this query waited; registered adapters: 'b'"
+    )
+    for name, row in zip(names[1:], served, strict=True):
+        assert_lora_matches(row, name, context, reference)
+    assert lora_lm.sgl_model.received == [tuple(context)] * 2  # "a"'s never reached SGLang
+
+
 async def test_unknown_adapter_names_list_the_registered_ones(lora_lm, lm):
     ids = llama_contexts()[0]
     registered = "registered adapters: 'a', 'b'"

@@ -18,6 +18,13 @@ LoRA adapters are loaded into a scheduler built with `enable_lora=True` through
 `unload_lora_adapter`), after the work in progress is finished; each request
 names its adapter by `lora_id` (`None`: the base model). SGLang batches
 requests of different adapters together and keeps their cached prefixes apart.
+
+The scheduler runs in the caller's process, so it cannot die apart from it;
+what can break it for good is a device error (`torch.AcceleratorError`: the
+GPU context may be corrupted) or an error while the driver cleans up after a
+failed batch (the scheduler's state is then unknown). Either makes every
+waiting and every later call raise `EngineDeadError`; other errors of a batch
+reach its callers and the scheduler stays usable.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import OutputCache
+from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm.base import AsyncLM, check_token_ids
 
 _INSTALL_HINT = "the SGLang backend needs SGLang: pip install 'genlm-backend[sglang]'"
@@ -100,6 +108,20 @@ def _discard(*args: Any, **kwargs: Any) -> None:
 # A query: the adapter's SGLang `lora_id` (`None`: the base model) and the context.
 Query = tuple[str | None, tuple[int, ...]]
 
+# Where a scheduler keeps why it died: every backend driving it then refuses to.
+_DEATH_ATTRIBUTE = "_genlm_engine_death"
+_REMEDY = (
+    "Every call on this scheduler now fails: create a new backend (e.g. with "
+    "load_model_by_name or AsyncSGLTransformer.from_name; after a device error, "
+    "in a new process)"
+)
+
+
+def _is_device_error(exc: BaseException) -> bool:
+    """Whether `exc` is an accelerator (CUDA) error, after which the GPU context may be unusable."""
+    device_error = getattr(torch, "AcceleratorError", None)
+    return device_error is not None and isinstance(exc, device_error)
+
 
 class _SchedulerDriver:
     """Runs one-token requests through an SGLang scheduler, one event-loop step at a time.
@@ -107,6 +129,7 @@ class _SchedulerDriver:
     Results are kept by request id until their submitter collects them, so runs
     that interleave (an async batch waiting between steps while a sync call
     steps the scheduler) each get their own rows. Steps are serialised by a lock.
+    Once the scheduler is dead (see the module), nothing touches it again.
     """
 
     def __init__(self, scheduler: Any, request_types: SimpleNamespace):
@@ -140,10 +163,19 @@ class _SchedulerDriver:
             lora_id=lora_id,
         )
 
+    def check_alive(self) -> None:
+        """Raise `EngineDeadError` if the scheduler died (chaining what it raised)."""
+        death = getattr(self.scheduler, _DEATH_ATTRIBUTE, None)
+        if death is not None:
+            message, cause = death
+            raise EngineDeadError(message) from cause
+
     def submit(self, queries: Sequence[Query]) -> list[str]:
+        self.check_alive()
         rids = [uuid.uuid4().hex for _ in queries]
         requests = [self._request(rid, query) for rid, query in zip(rids, queries, strict=True)]
         with self._lock:
+            self.check_alive()
             self._outstanding.update(rids)
             self.scheduler.process_input_requests(requests)
         return rids
@@ -151,6 +183,7 @@ class _SchedulerDriver:
     def step(self) -> bool:
         """One iteration of the scheduler's event loop; `False` once it is idle."""
         with self._lock, torch.no_grad():
+            self.check_alive()
             scheduler = self.scheduler
             try:
                 batch = scheduler.get_next_batch_to_run()
@@ -162,8 +195,10 @@ class _SchedulerDriver:
                 logits = result.logits_output.next_token_logits
                 scheduler.process_batch_result(batch, result)
             except Exception as exc:
-                self._fail_outstanding(exc)
-                raise
+                error = self._fail_outstanding(exc)
+                if error is exc:
+                    raise
+                raise error from error.__cause__
             scheduler.last_batch = batch
             self._collect(batch.reqs, logits)
             return True
@@ -181,15 +216,38 @@ class _SchedulerDriver:
             else:
                 self._results[req.rid] = torch.log_softmax(logits[row].float(), dim=-1).clone()
 
-    def _fail_outstanding(self, exc: BaseException) -> None:
-        # The failed batch's state is unknown: drop every request of ours from the
-        # scheduler and forget the batch, as the event loop would never have recorded it.
+    def _fail_outstanding(self, exc: Exception) -> BaseException:
+        """Give every request of ours the error `exc` in a step means, and return it.
+
+        That is `exc` itself, unless it is a device error or cleaning up after it
+        fails too: then the scheduler is dead, and the error is `EngineDeadError`.
+        """
+        if _is_device_error(exc):
+            error = self._die(f"a batch raised {exc!r}", exc)
+        else:
+            try:
+                # The failed batch's state is unknown: drop every request of ours from the
+                # scheduler and forget the batch, as the event loop would never have
+                # recorded it.
+                self.scheduler.cur_batch = None
+                self.scheduler.last_batch = None
+                self.scheduler.abort_request(self._sgl.AbortReq(abort_all=True))
+                error = exc
+            except Exception as failure:
+                reason = f"after a batch raised {exc!r}, aborting its requests raised {failure!r}"
+                error = self._die(reason, failure)
         for rid in self._outstanding:
-            self._results[rid] = exc
+            self._results[rid] = error
         self._outstanding.clear()
-        self.scheduler.cur_batch = None
-        self.scheduler.last_batch = None
-        self.scheduler.abort_request(self._sgl.AbortReq(abort_all=True))
+        return error
+
+    def _die(self, reason: str, cause: BaseException) -> EngineDeadError:
+        """Mark the scheduler dead, for every backend driving it; returns the error."""
+        message = f"the SGLang scheduler died: {reason}. {_REMEDY}"
+        setattr(self.scheduler, _DEATH_ATTRIBUTE, (message, cause))
+        error = EngineDeadError(message)
+        error.__cause__ = cause
+        return error
 
     def drain(self) -> None:
         """Step until the scheduler is idle."""
@@ -287,7 +345,13 @@ class AsyncSGLTransformer(AsyncLM):
     Every query method takes `lora_name=None`: `None` uses the adapter made
     active by `set_lora` (the base model when none is), a registered adapter's
     name uses that adapter for this call only. Requests of different adapters
-    are handed to the scheduler together; results are cached per adapter.
+    are handed to the scheduler together; results are cached per adapter. A
+    call whose adapter is removed (or replaced) while it waits fails alone,
+    with a `ValueError` naming the adapter.
+
+    If the scheduler dies (see the module), every call waiting on it and every
+    later call that needs it (queries, `sample`, adapter and prefix-cache
+    operations) raises `EngineDeadError`, without touching it again.
 
     Args:
         sgl_model: An SGLang `Scheduler` (see `from_name`), built with
@@ -319,6 +383,7 @@ class AsyncSGLTransformer(AsyncLM):
         self.max_length = None if max_input is None else max_input - 1
         self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
         self._driver = _SchedulerDriver(sgl_model, request_types)
+        self._adapter_names: dict[str, str] = {}  # lora_id -> name, of every adapter loaded
         self._engine_task: asyncio.Task | None = None
         # Requests go to the running scheduler at the next pass of the event loop, all
         # at once; SGLang splits them into batches itself (max_running_requests).
@@ -359,18 +424,32 @@ class AsyncSGLTransformer(AsyncLM):
         return cls(scheduler, **kwargs)
 
     def _query(self, token_ids: Sequence[int], lora_name: str | None) -> Query:
+        self._driver.check_alive()
         adapter = self.loras.select(lora_name)
         lora_id = None if adapter is None else self.loras[adapter]
         return lora_id, check_token_ids(token_ids, self.vocab_size, self.max_length)
 
     async def _evaluate(self, queries: list[Query]) -> list[torch.Tensor | BaseException]:
+        # A query whose adapter was removed while it waited gets an error of its own;
+        # SGLang would be sent an adapter it no longer holds.
+        loaded = {self.loras[name] for name in self.loras.names}
+        outcomes: list[torch.Tensor | BaseException | None] = [
+            self.loras.removed_error(self._adapter_names.get(lora_id, lora_id))
+            if lora_id is not None and lora_id not in loaded
+            else None
+            for lora_id, _ in queries
+        ]
+        live = [query for query, outcome in zip(queries, outcomes, strict=True) if outcome is None]
+        if not live:
+            return outcomes
         self._engine_task = asyncio.current_task()
         try:
-            rows = await self._driver.run_async(queries)
+            rows = iter(await self._driver.run_async(live))
         finally:
             self._engine_task = None
-        self._cache_rows(queries, rows)
-        return rows
+        outcomes = [next(rows) if outcome is None else outcome for outcome in outcomes]
+        self._cache_rows(queries, outcomes)
+        return outcomes
 
     def _cache_rows(
         self, queries: Sequence[Query], rows: Sequence[torch.Tensor | BaseException]
@@ -399,7 +478,9 @@ class AsyncSGLTransformer(AsyncLM):
             owned by the caller.
 
         Raises:
-            ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            ValueError: For bad token ids (see `check_token_ids`), an unknown
+                `lora_name`, or an adapter removed while the query waited.
+            EngineDeadError: If the scheduler died, before or while the query waited.
             asyncio.CancelledError: If `reset_async_queries()` dropped the query.
         """
         query = self._query(token_ids, lora_name)
@@ -423,6 +504,7 @@ class AsyncSGLTransformer(AsyncLM):
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            EngineDeadError: If the scheduler died.
         """
         return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
 
@@ -443,7 +525,9 @@ class AsyncSGLTransformer(AsyncLM):
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            EngineDeadError: If the scheduler died.
         """
+        self._driver.check_alive()
         queries = [self._query(ids, lora_name) for ids in token_ids_list]
         if not queries:
             self.loras.select(lora_name)
@@ -473,7 +557,9 @@ class AsyncSGLTransformer(AsyncLM):
             ValueError: If the scheduler was built without LoRA support.
             RuntimeError: If SGLang fails to load the adapter (the name is then
                 unregistered, even if it named an adapter before).
+            EngineDeadError: If the scheduler died.
         """
+        self._driver.check_alive()
         if not getattr(self.sgl_model.server_args, "enable_lora", False):
             raise ValueError(
                 "the SGLang scheduler was built without LoRA support: pass engine_opts="
@@ -483,6 +569,7 @@ class AsyncSGLTransformer(AsyncLM):
         if lora_name in self.loras:
             self._unload(lora_name, self.loras[lora_name])
         lora_id = uuid.uuid4().hex
+        self._adapter_names[lora_id] = lora_name
         result = self._driver.load_lora(lora_name, lora_path, lora_id)
         if not result.success:
             if lora_name in self.loras:
@@ -515,8 +602,8 @@ class AsyncSGLTransformer(AsyncLM):
         """Unload an adapter from the scheduler and drop its cached results.
 
         Its requests already in the scheduler finish first. Calls for it still
-        queued in this backend fail with `RuntimeError` (SGLang aborts requests
-        for an adapter it does not hold); calls batched with them are served.
+        queued in this backend fail with a `ValueError` naming the adapter
+        (they never reach SGLang); calls batched with them are served.
 
         Args:
             lora_name: A registered adapter (if active, the base model becomes active).
@@ -524,7 +611,9 @@ class AsyncSGLTransformer(AsyncLM):
         Raises:
             ValueError: If no adapter is registered under `lora_name`.
             RuntimeError: If SGLang fails to unload it (it is unregistered anyway).
+            EngineDeadError: If the scheduler died.
         """
+        self._driver.check_alive()
         self._unload(lora_name, self.loras.remove(lora_name))
 
     def _unload(self, lora_name: str, lora_id: str) -> None:
@@ -536,7 +625,11 @@ class AsyncSGLTransformer(AsyncLM):
             )
 
     def clear_cache(self) -> None:
-        """Drop the output cache and flush SGLang's prefix (KV) cache."""
+        """Drop the output cache and flush SGLang's prefix (KV) cache.
+
+        Raises:
+            EngineDeadError: If the scheduler died (the output cache is dropped anyway).
+        """
         self.cache.clear()
         self.clear_kv_cache()
 
@@ -545,6 +638,7 @@ class AsyncSGLTransformer(AsyncLM):
 
         Raises:
             RuntimeError: If SGLang refuses to flush.
+            EngineDeadError: If the scheduler died.
         """
         self._driver.flush_prefix_cache()
 

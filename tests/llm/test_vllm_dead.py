@@ -1,8 +1,9 @@
 """AsyncVirtualLM when its vLLM engine dies: every waiting and every later call fails.
 
 On vLLM's CPU build, on the tiny Llama: one worker in this process whose model
-runner raises, and two tensor-parallel worker processes of which one is killed
-while 48 requests are in the engine, or both between two calls. Each test
+runner raises (once: only the failed step's callers hear of it; for good: the
+engine is dead), and two tensor-parallel worker processes of which one is
+killed while 48 requests are in the engine, or both between two calls. Each test
 starts an engine of its own (a dead engine cannot be shared) and checks that
 `cleanup()` leaves no thread or process behind. The loop's side of this, on a
 stand-in engine, is in `test_vllm_engine.py`.
@@ -125,32 +126,51 @@ def assert_cleanup_leaves_nothing(lm, baseline, record_property, worker_pids=())
     lm.cleanup()  # a second cleanup is a no-op
 
 
-async def test_an_error_inside_the_engine_step_kills_it_for_every_caller(
+async def test_an_error_in_the_engine_step_that_outlives_its_requests_kills_it(
     baseline, tiny_llama_path, vllm_engine_opts, monkeypatch, record_property
 ):
     opts = vllm_engine_opts(ONE_WORKER_OPTS)
     lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=opts, cache_size=8)
+    expected = lm.batch_next_token_logprobs_sync(PROMPTS[1:3])
+    lm.clear_cache()
     await lm.next_token_logprobs(PROMPTS[0])  # cached
     (runner,) = lm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
-    raised = []
+    execute_model, raised = runner.execute_model, []
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(runner, "execute_model", execute_model)
+        raise RuntimeError("one bad batch")
+
+    # An error that only the failed step's requests meet: the probe request passes.
+    monkeypatch.setattr(runner, "execute_model", fails_once)
+    outcomes = await asyncio.gather(
+        *(lm.next_token_logprobs(p) for p in PROMPTS[1:3]), return_exceptions=True
+    )
+    assert [repr(outcome) for outcome in outcomes] == ["RuntimeError('one bad batch')"] * 2
+    assert not lm._engine.dead
+    torch.testing.assert_close(lm.batch_next_token_logprobs_sync(PROMPTS[1:3]), expected)
 
     def broken(*args, **kwargs):
         raised.append(time.monotonic())
         raise RuntimeError("model runner exploded")
 
+    # An error that outlives them: the probe meets it too.
     monkeypatch.setattr(runner, "execute_model", broken)
     outcomes = await asyncio.wait_for(
-        asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS[1:]), return_exceptions=True),
+        asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS[3:]), return_exceptions=True),
         LIMIT,
     )
     record_property("seconds_to_error", round(time.monotonic() - raised[0], 3))
     assert time.monotonic() - raised[0] < LIMIT
-    reported = "vLLM reported RuntimeError('model runner exploded') from its step"
+    reported = (
+        "vLLM reported RuntimeError('model runner exploded') from its step, "
+        "then RuntimeError('model runner exploded') from a probe request"
+    )
     for outcome in outcomes:
         assert_says_dead(outcome, reported)
         assert repr(outcome.__cause__) == "RuntimeError('model runner exploded')"
     await assert_later_calls_fail_fast(lm, PROMPTS[0], reported)
-    assert len(raised) == 1  # the dead engine was not stepped again
+    assert len(raised) == 2  # the step and the probe; the dead engine was not stepped again
     assert_cleanup_leaves_nothing(lm, baseline, record_property)
 
 

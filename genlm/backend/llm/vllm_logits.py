@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 from collections.abc import Hashable, Sequence
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -418,12 +419,14 @@ def worker_processes(llm: Any) -> list[Any]:
 
     Those of vLLM's multiprocessing executor when the engine core runs in this
     process (`AsyncVirtualLM.from_name` sets that up); none for a single worker
-    in this process or for an engine core in a process of its own (whose
-    death vLLM reports itself, with its `EngineDeadError`).
+    in this process, for Ray's workers, or for an engine core in a process of
+    its own (whose death vLLM reports itself, with its `EngineDeadError`).
     """
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     executor = getattr(core, "model_executor", None)
-    return [handle.proc for handle in getattr(executor, "workers", None) or ()]
+    handles = getattr(executor, "workers", None) or ()
+    processes = [getattr(handle, "proc", None) for handle in handles]
+    return [process for process in processes if isinstance(process, BaseProcess)]
 
 
 def reported_engine_death(exc: BaseException) -> bool:

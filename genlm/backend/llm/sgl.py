@@ -171,7 +171,6 @@ class _SchedulerDriver:
             raise EngineDeadError(message) from cause
 
     def submit(self, queries: Sequence[Query]) -> list[str]:
-        self.check_alive()
         rids = [uuid.uuid4().hex for _ in queries]
         requests = [self._request(rid, query) for rid, query in zip(rids, queries, strict=True)]
         with self._lock:

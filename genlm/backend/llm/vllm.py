@@ -85,8 +85,9 @@ class AsyncVirtualLM(AsyncLM):
     arrive while it works join it without waiting for the others to finish.
     Several `AsyncVirtualLM`s over one `vllm.LLM` share its engine thread.
 
-    If the engine dies (its step raises, or a worker process exits), every
-    call waiting on it and every later call that needs it raises
+    If the engine dies (a worker process exits, or its step raises an error
+    that outlives the requests that met it; see `vllm_engine.EngineLoop`),
+    every call waiting on it and every later call that needs it raises
     `EngineDeadError`, without touching the engine again; `cleanup()` still
     releases what is left. A query whose adapter is removed (or replaced)
     while it waits fails alone, with a `ValueError` naming the adapter.

@@ -38,7 +38,12 @@ def random_ids(seed, n, vocab=VOCAB):
 
 def mlx_reference(model, ids):
     """Log-probabilities from one plain mlx-lm forward pass (no cache), log-softmax in float32."""
-    logits = model(mx.array([ids]))[0, -1].astype(mx.float32)
+    return mlx_reference_rows(model, ids)[-1]
+
+
+def mlx_reference_rows(model, ids):
+    """The same after every prefix of `ids` (row i: after `ids[: i + 1]`), from one pass."""
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
     return torch.log_softmax(torch.from_numpy(np.array(logits)), dim=-1)
 
 
@@ -73,19 +78,22 @@ def lm(shared_lm):
 
 
 class Spy:
-    """Stands in for the model and records the shape of every batch of input ids."""
+    """Stands in for a part of the model (its body, `model.model`, by default) and records
+    the shape of every input: for the body, every batch of input ids."""
 
-    def __init__(self, lm):
-        self.lm, self.model, self.shapes = lm, lm.model, []
-        self.layers = self.model.layers
-        lm.model = self
+    def __init__(self, lm, part="model"):
+        self.wrapped, self.owner, self.part, self.shapes = lm.model[part], lm.model, part, []
+        self.owner[part] = self
 
-    def __call__(self, inputs, cache=None):
+    def __call__(self, inputs, *args, **kwargs):
         self.shapes.append(tuple(inputs.shape))
-        return self.model(inputs, cache=cache)
+        return self.wrapped(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
 
     def close(self):
-        self.lm.model = self.model
+        self.owner[self.part] = self.wrapped
 
 
 def test_agrees_with_transformers_on_the_same_weights(lm, tiny_llama_path):
@@ -169,6 +177,69 @@ async def test_nested_and_shared_contexts_cost_their_distinct_new_tokens(lm, pla
     for contexts, rows in ((prefixes, scored), (particles, shared)):
         for context, row in zip(contexts, rows, strict=True):
             assert_close(row, mlx_reference(plain, context))
+
+
+async def test_prefixes_inside_a_cached_prompt_run_apart_from_the_longer_rows(lm, plain):
+    # Every prefix of three sequences that extend a 50-token prompt, 30 tokens of it cached:
+    # the prefixes ending inside the cached part run one token each, in a sub-batch of their
+    # own (not padded to the 20 uncached prompt tokens, as one pass did), and the output
+    # projection runs only at the 139 positions read (prompt[:30]'s result is cached).
+    prompt = random_ids(70, 50)
+    sequences = [prompt + random_ids(71 + i, 30) for i in range(3)]
+    lm.cache_kv(prompt[:30])
+    body, head = Spy(lm), Spy(lm, "lm_head")
+    try:
+        rows = await lm.batch_next_token_logprobs(
+            [sequence[:n] for sequence in sequences for n in range(1, 81)]
+        )
+    finally:
+        body.close()
+        head.close()
+    # The 20 uncached prompt tokens with prompt[:29]'s last one, 28 shorter prefixes, the
+    # three rests: 40, 28 and 90 slots for 21, 28 and 90 tokens (one pass: 30 x 20 for 49).
+    assert body.shapes == [(2, 20), (28, 1), (3, 30)]
+    assert head.shapes == [(21, 128), (28, 128), (90, 128)]
+    for i, sequence in enumerate(sequences):
+        assert_close(rows[80 * i : 80 * (i + 1)], mlx_reference_rows(plain, sequence))
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+async def test_tied_and_other_output_heads_match_a_plain_forward(lm, family):
+    # A Llama with tied embeddings projects the positions read with its input embeddings;
+    # granite (scaled logits) has no plain head: it runs whole, its logits gathered after.
+    from mlx_lm.models import granite, llama
+
+    sizes = dict(
+        model_type=family,
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+    )
+    mx.random.seed(2)
+    if family == "llama":
+        model = llama.Model(llama.ModelArgs(**sizes, tie_word_embeddings=True))
+    else:
+        args = granite.ModelArgs(
+            **sizes,
+            logits_scaling=4.0,
+            attention_multiplier=0.25,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            max_position_embeddings=2048,
+            attention_bias=False,
+            mlp_bias=False,
+            rope_theta=10000.0,
+        )
+        model = granite.Model(args)
+    small = AsyncMlxLM(model, lm.tokenizer)
+    sequence = random_ids(80, 24)
+    small.cache_kv(sequence[:10])
+    rows = await small.batch_next_token_logprobs([sequence[:n] for n in range(1, 25)])
+    assert_close(rows, mlx_reference_rows(model, sequence))
 
 
 async def test_resampled_particles_of_different_lengths_match_a_plain_forward(lm, plain):

@@ -1,10 +1,10 @@
-"""plan_passes against a brute-force count of a batch's distinct uncached tokens."""
+"""plan_passes against a brute-force count of a batch's distinct uncached tokens; sub_batches."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm.backend.llm.passes import plan_passes
+from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 PROMPT = (7, 7, 1)  # cached before the batch; every context extends it
 
@@ -90,3 +90,29 @@ def test_a_context_cached_whole_runs_only_its_last_token():
     assert [[(row.context, row.reads) for row in rows] for rows in passes] == [
         [(prompt[:5], [5]), (prompt, [20])]
     ]
+
+
+def rows_of(sizes):
+    """Rows of `new + past` tokens, each read at its end, and their past lengths."""
+    rows = [Row(tuple(range(new + past)), [new + past]) for new, past in sizes]
+    return rows, [past for _, past in sizes]
+
+
+def test_short_rows_do_not_share_a_sub_batch_with_a_long_one():
+    # A 20-token trunk from a 30-token past, and 29 prefixes one token past their cached part.
+    rows, pasts = rows_of([(20, 30)] + [(1, n) for n in range(29)])
+    assert sub_batches(rows, pasts) == [[0, 29], list(range(28, 0, -1))]
+
+
+def test_aligned_pasts_and_fits_split_sub_batches():
+    rows, pasts = rows_of([(2, 5), (2, 6), (2, 5), (2, 5)])
+    assert sub_batches(rows, pasts) == [[1, 0, 2, 3]]
+    assert sub_batches(rows, pasts, aligned_pasts=True) == [[1], [0, 2, 3]]
+    asked = []
+
+    def fits(n_rows, max_new, max_past, n_reads):
+        asked.append((n_rows, max_new, max_past, n_reads))
+        return n_rows <= 2
+
+    assert sub_batches(rows, pasts, fits=fits) == [[1, 0], [2, 3]]
+    assert asked == [(2, 2, 6, 2), (3, 2, 6, 3), (2, 2, 5, 2)]

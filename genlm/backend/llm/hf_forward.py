@@ -42,7 +42,7 @@ from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import LoraRegistry
 from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace
 from genlm.backend.llm.hf_query import Query
-from genlm.backend.llm.passes import Row, plan_passes
+from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 _log = logging.getLogger(__name__)
 
@@ -477,38 +477,17 @@ class ForwardPasses:
         return found
 
     def _plan(self, pasts: list[PrefixMatch], rows: list[Row]) -> list[list[int]]:
-        """Split a pass into sub-batches in which padding at most about doubles the work
-        and whose working memory fits the batch budget (each row fits it alone)."""
-        sizes = [
-            (len(row.context) - past.length, past.length)
-            for row, past in zip(rows, pasts, strict=True)
-        ]
+        """Split a pass into `sub_batches` whose working memory fits the batch budget
+        (each row fits it alone)."""
         limit = self.batch_limit()
-        groups: list[list[int]] = []
-        max_past = real_new = real_all = reads = 0  # of the last group
-        for g in sorted(range(len(sizes)), key=lambda g: sizes[g], reverse=True):
-            new, past = sizes[g]
-            if groups:
-                # Sorted by new tokens: the group's first member has the most.
-                group = groups[-1]
-                n_rows, max_new = len(group) + 1, sizes[group[0]][0]
-                grown_past = max(past, max_past)
-                fits = n_rows * max_new <= 2 * (real_new + new) + 8
-                fits &= n_rows * (max_new + grown_past) <= 2 * (real_all + new + past) + 64 * n_rows
-                fits &= not (self._aligned_pasts and past != sizes[group[0]][1])
-                fits &= (
-                    self.working_set(
-                        n_rows, max_new + grown_past, max_new, reads + len(rows[g].reads)
-                    )
-                    <= limit
-                )
-                if fits:
-                    group.append(g)
-                    max_past, real_new, real_all = grown_past, real_new + new, real_all + new + past
-                    reads += len(rows[g].reads)
-                    continue
-            groups.append([g])
-            max_past, real_new, real_all, reads = past, new, new + past, len(rows[g].reads)
+        groups = sub_batches(
+            rows,
+            [past.length for past in pasts],
+            self._aligned_pasts,
+            lambda n_rows, max_new, max_past, n_reads: (
+                self.working_set(n_rows, max_new + max_past, max_new, n_reads) <= limit
+            ),
+        )
         for group in groups:  # rows with common prefixes side by side (see `BatchKV`)
             group.sort(key=lambda g: rows[g].context)
         return groups

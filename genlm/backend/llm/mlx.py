@@ -9,8 +9,13 @@ The same machinery as the transformers backend (`hf.py`), with MLX as the engine
    `[past (right-padded) | new tokens]` (`mlx_engine.BatchLayerCache`, which
    takes the place of mlx-lm's cache layers); a mask and per-row RoPE offsets
    let rows with different prefix lengths share one forward pass.
-3. The new tokens' key/values go into the tree, and the logits of each row's
-   last token become its result (log-softmax in float32).
+3. The new tokens' key/values go into the tree, and the logits at each
+   position read become its result (log-softmax in float32); the output
+   projection runs at those positions only (`mlx_engine.read_logits`).
+
+Batches are planned as `AsyncTransformer`'s (`passes.plan_passes`), and a pass
+whose rows differ much in length runs in `passes.sub_batches`, so that padding
+at most about doubles its work.
 
 A sampler's next step usually extends every row of the last batch by a token:
 it then continues in the last batch's arrays (`KVWorkspace` in `hf_batch`
@@ -37,7 +42,7 @@ from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import AsyncLM, check_token_ids
 from genlm.backend.llm.hf_batch import KVWorkspace
-from genlm.backend.llm.passes import Row, plan_passes
+from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2  # as `AsyncTransformer`'s
@@ -58,13 +63,14 @@ class AsyncMlxLM(AsyncLM):
     """An mlx-lm language model with automatic batching and prefix caching.
 
     Concurrent `next_token_logprobs` calls are batched (see `batch_size`,
-    `timeout`); each batch is one forward pass over the tokens that no cached
-    prefix covers. Key/values of every evaluated context are kept in a radix
-    tree bounded by `kv_cache_bytes`; results in an `OutputCache` bounded by
-    `output_cache_bytes` (and `cache_size` rows, if given). Batches are planned
-    as `AsyncTransformer`'s: a context that is a prefix of another one of its
-    batch is read from the longer one's row. Attention-only models (the usual decoder families);
-    not state-space or hybrid ones.
+    `timeout`); a batch runs the model over the tokens that no cached prefix
+    covers, in as few forward passes as padding allows. Key/values of every
+    evaluated context are kept in a radix tree bounded by `kv_cache_bytes`;
+    results in an `OutputCache` bounded by `output_cache_bytes` (and
+    `cache_size` rows, if given). Batches are planned as `AsyncTransformer`'s:
+    a context that is a prefix of another one of its batch is read from the
+    longer one's row. Attention-only models (the usual decoder families); not
+    state-space or hybrid ones.
 
     Args:
         mlx_lm_model: A model as loaded by `mlx_lm.load`.
@@ -395,13 +401,20 @@ class AsyncMlxLM(AsyncLM):
         passes = plan_passes(contexts, lambda ids: self.kv_cache.match(ids, adapter).length)
         outputs, order = [], []
         for rows in passes:
-            outputs.append(self._run_pass(adapter, rows))
-            order += [q for row in rows for q in row.queries]
+            for group, output in self._run_pass(adapter, rows):
+                outputs.append(output)
+                order += [q for row in group for q in row.queries]
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), order
 
-    def _run_pass(self, adapter: str | None, rows: list[Row]) -> torch.Tensor:
-        """One pass of `plan_passes`: each row from its longest cached prefix, before its
-        first read's last token (that token's logits are a result)."""
+    def _run_pass(
+        self, adapter: str | None, rows: list[Row]
+    ) -> list[tuple[list[Row], torch.Tensor]]:
+        """One pass of `plan_passes`, in `sub_batches`: each row from its longest cached
+        prefix, before its first read's last token (that token's logits are a result).
+
+        Returns:
+            Each sub-batch's rows and what `_run` read from them.
+        """
         pasts = [
             self.kv_cache.match(
                 row.context, adapter, (row.reads[0] if row.reads else len(row.context)) - 1
@@ -411,7 +424,14 @@ class AsyncMlxLM(AsyncLM):
         for past in pasts:
             self.kv_cache.lock(past.node)
         try:
-            return self._run(adapter, rows, pasts)
+            groups = sub_batches(rows, [past.length for past in pasts])
+            return [
+                (
+                    [rows[g] for g in group],
+                    self._run(adapter, [rows[g] for g in group], [pasts[g] for g in group]),
+                )
+                for group in groups
+            ]
         finally:
             for past in pasts:
                 self.kv_cache.unlock(past.node)
@@ -443,15 +463,15 @@ class AsyncMlxLM(AsyncLM):
             caches = engine.gather_layers(segments, batch, len(self.model.layers))
 
         inputs = mx.array([tokens + (0,) * (batch.n_new - len(tokens)) for tokens in new_tokens])
-        self._selection.name = adapter
-        logits = self.model(inputs, cache=caches)
         read_rows = [index for index, row in enumerate(rows) for _ in row.reads]
         columns = [
             length - 1 - past_length
             for row, past_length in zip(rows, past_lengths, strict=True)
             for length in row.reads
         ]
-        read = logits[mx.array(read_rows or [0]), mx.array(columns or [0])].astype(mx.float32)
+        self._selection.name = adapter
+        logits = engine.read_logits(self.model, inputs, caches, read_rows, columns)
+        read = logits.astype(mx.float32)
         new_kv = mx.stack([mx.stack(cache.new_key_values()) for cache in caches])
         mx.eval(read, new_kv)
 
@@ -463,9 +483,7 @@ class AsyncMlxLM(AsyncLM):
         if not batch.ragged:
             workspace.remember(adapter, contexts, caches)
         # MLX's float32 `logsumexp` sums 10^4-10^5 terms less accurately than torch's
-        # (~1e-4 nats on SmolLM2), so torch normalises.
-        if not read_rows:  # a trunk nobody asked for: its key/values are the point
-            return torch.empty((0, logits.shape[-1]))
+        # (~1e-4 nats on SmolLM2), so torch normalises. A trunk nobody asked for reads nothing.
         return torch.log_softmax(engine.to_torch(read), dim=-1)
 
 

@@ -9,6 +9,10 @@ and per-row positions make rows with different prefix lengths share one pass.
 The layer caches outlive their batch, so a batch whose rows extend the last
 one's continues in the same arrays.
 
+`read_logits` runs a batch through the model and returns the logits at the
+positions read only: for the usual architectures it applies the output
+projection at those positions alone, not at every (padded) position.
+
 `LoraSwitch` wraps a linear layer of the model with any number of LoRA
 adapters (mlx-lm's or peft's format) and applies the one that `LoraSelection`
 names when the forward pass is built.
@@ -30,6 +34,29 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 _SPARE_SLOTS = 32  # token slots a batch keeps free, so following steps append in place
+
+# mlx-lm architectures whose `Model.__call__` is the body (`model.model`), then the output
+# projection: `lm_head` where the model has one, else the tied input embeddings. (Others
+# do more there, e.g. gemma2's soft-capping, cohere's and granite's scaling.)
+_PLAIN_HEADS = frozenset(
+    f"mlx_lm.models.{name}"
+    for name in (
+        "gemma",
+        "gemma3_text",
+        "internlm3",
+        "llama",  # mistral too: mlx-lm loads it as llama
+        "ministral3",
+        "mixtral",
+        "olmo2",
+        "phi3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "smollm3",
+        "starcoder2",
+    )
+)
 
 
 def to_torch(array: mx.array) -> torch.Tensor:
@@ -59,6 +86,34 @@ def check_supported(model: Any) -> None:
         raise ValueError(
             f"AsyncMlxLM serves attention-only models; this one's layers cache {names}"
         )
+
+
+def read_logits(
+    model: Any, inputs: mx.array, caches: list[Any], rows: list[int], columns: list[int]
+) -> mx.array:
+    """The logits of one forward pass at the positions read, `[reads, vocab]`.
+
+    For the architectures of `_PLAIN_HEADS` the output projection runs at
+    those positions alone; any other model runs whole and the positions are
+    gathered from its logits.
+
+    Args:
+        model: An mlx-lm model.
+        inputs: Token ids, `[rows, tokens]`.
+        caches: One cache per layer.
+        rows: Row of each position read.
+        columns: Its index among the row's input tokens.
+
+    Returns:
+        The logits at `(rows[i], columns[i])`, in the model's dtype.
+    """
+    at = mx.array(rows, dtype=mx.int32), mx.array(columns, dtype=mx.int32)
+    if type(model).__module__ not in _PLAIN_HEADS:
+        return model(inputs, cache=caches)[at]
+    hidden = model.model(inputs, cache=caches)[at]
+    if "lm_head" in model:
+        return model.lm_head(hidden)
+    return model.model.embed_tokens.as_linear(hidden)
 
 
 class Batch:

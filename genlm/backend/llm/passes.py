@@ -17,7 +17,8 @@ sum of the contexts' lengths:
   tokens; shorter shared stretches are recomputed by every row through them.
 
 Rows of one pass are independent; a row of pass `k` extends trunks of passes
-before `k` only.
+before `k` only. A pass then runs in the sub-batches `sub_batches` splits it
+into, so that padding rows to a batch's longest at most about doubles its work.
 """
 
 from __future__ import annotations
@@ -98,6 +99,54 @@ def plan_passes(
     passes = _passes(maximal, trunks) if trunks else [maximal]
     passes[0] = alone + passes[0]
     return passes
+
+
+def sub_batches(
+    rows: Sequence[Row],
+    past_lengths: Sequence[int],
+    aligned_pasts: bool = False,
+    fits: Callable[[int, int, int, int], bool] | None = None,
+) -> list[list[int]]:
+    """Split the rows of a pass into sub-batches in which padding at most about doubles the work.
+
+    A batch pads every row to its most new tokens, and its key/values to its
+    longest past. Rows are taken by decreasing new tokens (then past); a row
+    joins the current sub-batch while the padded new tokens stay within twice
+    the real ones plus 8, and the padded key/value slots (past and new) within
+    twice the real ones plus 64 per row; otherwise it starts the next one.
+
+    Args:
+        rows: The rows of a pass.
+        past_lengths: Tokens of each row's cached prefix (the row runs the rest).
+        aligned_pasts: Rows with different past lengths never share a sub-batch.
+        fits: Whether a sub-batch of `(rows, most new tokens, longest past,
+            reads)` may run (a working-memory bound, say); `None`: any may.
+
+    Returns:
+        The sub-batches, as indices into `rows`, each by decreasing new tokens.
+    """
+    sizes = [(len(row.context) - past, past) for row, past in zip(rows, past_lengths, strict=True)]
+    groups: list[list[int]] = []
+    max_past = real_new = real_all = reads = 0  # of the last group
+    for g in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        new, past = sizes[g]
+        if groups:
+            group = groups[-1]
+            n_rows, max_new = len(group) + 1, sizes[group[0]][0]  # its first has the most new
+            grown_past = max(past, max_past)
+            if (
+                n_rows * max_new <= 2 * (real_new + new) + 8
+                and n_rows * (max_new + grown_past) <= 2 * (real_all + new + past) + 64 * n_rows
+                and not (aligned_pasts and past != sizes[group[0]][1])
+                and (fits is None or fits(n_rows, max_new, grown_past, reads + len(rows[g].reads)))
+            ):
+                group.append(g)
+                max_past, real_new, real_all = grown_past, real_new + new, real_all + new + past
+                reads += len(rows[g].reads)
+                continue
+        groups.append([g])
+        max_past, real_new, real_all, reads = past, new, new + past, len(rows[g].reads)
+    return groups
 
 
 @dataclass

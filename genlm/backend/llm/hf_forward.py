@@ -194,7 +194,7 @@ class ForwardPasses:
         """Run `queries` in the last batch's buffer if each extends one of its rows equally.
 
         This is a sampler's step: no tree lookup, and the buffer's rows join the
-        tree only when a batch does not continue them (`_spill`). Returns the
+        tree only when a batch does not continue them (`spill`). Returns the
         results and the query of each row, or `None` when the queries do not fit
         (or ran out of memory: the last batch's rows then join the tree, and the
         step runs from there in smaller passes).

@@ -337,3 +337,37 @@ def test_batches_evicted_in_order_are_stored_in_consecutive_slots():
         start = next((s for s in slots if (s - 1) % capacity not in slots), slots[0])
         interval = {(start + k) % capacity for k in range(size)}
         assert set(slots) == interval, (step, slots)
+
+
+@pytest.mark.parametrize("move_to_cpu", [False, True])
+def test_get_rows_from_several_pools_in_random_order_returns_the_stored_rows(move_to_cpu):
+    # Rows of two dtypes (and devices, where CUDA is there) live in separate pools, in
+    # slots scrambled by evictions and reads; any selection of keys, some missing, in any
+    # order, reads back the rows stored (cast to the first found row's dtype, as a copy
+    # would), each key's at its own position, whatever runs the read is copied in.
+    generator = torch.Generator().manual_seed(0)
+    kinds = [("cpu", torch.float32), ("cpu", torch.float64)]
+    if torch.cuda.is_available():
+        kinds.append(("cuda", torch.float32))
+    cache, stored = OutputCache(maxsize=48, move_to_cpu=move_to_cpu), {}
+    for batch in range(40):
+        device, dtype = kinds[batch % len(kinds)]
+        size = 1 + int(torch.randint(8, (), generator=generator))
+        keys = [(batch, i) for i in range(size)]
+        rows = torch.randn(size, 6, generator=generator).to(device, dtype)
+        cache.store_rows(keys, rows)
+        stored.update((key, row.clone()) for key, row in zip(keys, rows, strict=True))
+        cache.get(keys[0])  # reads refresh some entries: evictions free scattered slots
+    present = [key for key in stored if key in cache]
+    assert len({id(pool) for pool, _, _ in cache._entries.values()}) == len(kinds)
+    for _ in range(60):
+        count = 1 + int(torch.randint(20, (), generator=generator))
+        picks = torch.randint(len(present) + 10, (count,), generator=generator).tolist()
+        keys = [present[p] if p < len(present) else ("absent", p) for p in picks]
+        rows, missing = cache.get_rows(keys)
+        assert missing == [i for i, key in enumerate(keys) if key not in cache]
+        first = next(key for key in keys if key in cache)
+        assert rows.device == stored[first].device and rows.dtype == stored[first].dtype
+        for i, key in enumerate(keys):
+            if i not in missing:
+                assert torch.equal(rows[i].cpu(), stored[key].to(rows.dtype).cpu()), key

@@ -105,6 +105,30 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _gather_rows(
+    rows: torch.Tensor, source: torch.Tensor, positions: list[int], slots: list[int]
+) -> None:
+    """`rows[positions[i]] = source[slots[i]]` for every `i` (positions increasing).
+
+    One operation per run of consecutive positions (a copy, or an `index_select`
+    when the run's slots are not consecutive), where a copy per row is one
+    kernel launch per row on an accelerator.
+    """
+    for start, offset, length in _runs(positions):
+        target = rows.narrow(0, start, length)
+        run_slots = slots[offset : offset + length]
+        if len(_runs(run_slots)) == 1:  # consecutive slots
+            target.copy_(source.narrow(0, run_slots[0], length))
+            continue
+        # From pinned memory without waiting: a blocking copy to a GPU waits for its stream.
+        index = torch.tensor(run_slots, pin_memory=source.is_cuda)
+        index = index.to(source.device, non_blocking=True)
+        if (source.device, source.dtype) == (target.device, target.dtype):
+            torch.index_select(source, 0, index, out=target)
+        else:  # gathered where the rows are stored, then one copy across (or cast)
+            target.copy_(source.index_select(0, index))
+
+
 class OutputCache:
     """A least-recently-used map from token-id tuples to tensors.
 
@@ -184,10 +208,15 @@ class OutputCache:
                 return None, missing
             first = next(entry for entry in entries if entry is not None)
             rows = first[0].rows.new_empty((len(keys), *first[0].rows.shape[1:]), device=first[2])
+            found: dict[int, tuple[_RowPool, list[int], list[int]]] = {}  # positions, slots
             for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
                 if entry is not None:
                     self._entries.move_to_end(key)
-                    rows[i].copy_(entry[0].rows[entry[1]])
+                    pool_found = found.setdefault(id(entry[0]), (entry[0], [], []))
+                    pool_found[1].append(i)
+                    pool_found[2].append(entry[1])
+            for pool, positions, slots in found.values():
+                _gather_rows(rows, pool.rows, positions, slots)
             return rows, missing
 
     def store_rows(

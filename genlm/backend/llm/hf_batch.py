@@ -126,7 +126,8 @@ class BatchKV:
                     runs[key] = [range(row, row + 1), segment]
                 offset += length
             # Masked slots must still hold finite numbers: attention multiplies them by 0.
-            buffer[:, :, row, :, offset : self.past_length].zero_()
+            if offset < self.past_length:  # an empty fill is still one dispatched operation
+                buffer[:, :, row, :, offset : self.past_length].zero_()
         for (offset, _, _), run in runs.items():
             self._fill(buffer, offset, *run)
 

@@ -122,7 +122,9 @@ async def test_concurrent_queries_with_different_cached_prefixes(lm, plain):
         results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     finally:
         spy.close()
-    assert spy.shapes == [(6, 6)]  # one forward pass, padded to the most new tokens
+    # Rows of 2-6 new tokens from different prefixes share a batch, padded to 6; the two
+    # one-token rows run apart (padding them to 6 would cost more than they do).
+    assert spy.shapes == [(2, 1), (4, 6)]
     for context, result in zip(contexts, results, strict=True):
         assert_close(result, mlx_reference(plain, context))
 
@@ -183,7 +185,8 @@ async def test_prefixes_inside_a_cached_prompt_run_apart_from_the_longer_rows(lm
     # Every prefix of three sequences that extend a 50-token prompt, 30 tokens of it cached:
     # the prefixes ending inside the cached part run one token each, in a sub-batch of their
     # own (not padded to the 20 uncached prompt tokens, as one pass did), and the output
-    # projection runs only at the 139 positions read (prompt[:30]'s result is cached).
+    # projection runs once per pass, only at the 139 positions read (prompt[:30]'s result is
+    # cached).
     prompt = random_ids(70, 50)
     sequences = [prompt + random_ids(71 + i, 30) for i in range(3)]
     lm.cache_kv(prompt[:30])
@@ -195,10 +198,10 @@ async def test_prefixes_inside_a_cached_prompt_run_apart_from_the_longer_rows(lm
     finally:
         body.close()
         head.close()
-    # The 20 uncached prompt tokens with prompt[:29]'s last one, 28 shorter prefixes, the
-    # three rests: 40, 28 and 90 slots for 21, 28 and 90 tokens (one pass: 30 x 20 for 49).
-    assert body.shapes == [(2, 20), (28, 1), (3, 30)]
-    assert head.shapes == [(21, 128), (28, 128), (90, 128)]
+    # The 29 shorter prefixes, the 20 uncached prompt tokens (last, so that the three rests
+    # continue in its arrays), the rests: no padding (one pass: 30 x 20 slots for 49 tokens).
+    assert body.shapes == [(29, 1), (1, 20), (3, 30)]
+    assert head.shapes == [(49, 128), (90, 128)]
     for i, sequence in enumerate(sequences):
         assert_close(rows[80 * i : 80 * (i + 1)], mlx_reference_rows(plain, sequence))
 

@@ -102,6 +102,8 @@ def test_short_rows_do_not_share_a_sub_batch_with_a_long_one():
     # A 20-token trunk from a 30-token past, and 29 prefixes one token past their cached part.
     rows, pasts = rows_of([(20, 30)] + [(1, n) for n in range(29)])
     assert sub_batches(rows, pasts) == [[0, 29], list(range(28, 0, -1))]
+    # Without padding beyond 8 tokens, the trunk runs alone (40 slots for 21 tokens before).
+    assert sub_batches(rows, pasts, padding=0.0) == [[0], list(range(29, 0, -1))]
 
 
 def test_aligned_pasts_and_fits_split_sub_batches():

@@ -46,6 +46,9 @@ from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2  # as `AsyncTransformer`'s
+# Padding new tokens a sub-batch may add per real one (`sub_batches`), beyond the few it
+# always may: MLX's CPU build computes padding at full cost, through every layer.
+_PADDING = 0.0
 _INSTALL_HINT = "the MLX backend needs MLX and mlx-lm: pip install 'genlm-backend[mlx]'"
 
 Request = tuple[str | None, tuple[int, ...]]  # (adapter, token ids): also its batching key
@@ -401,20 +404,23 @@ class AsyncMlxLM(AsyncLM):
         passes = plan_passes(contexts, lambda ids: self.kv_cache.match(ids, adapter).length)
         outputs, order = [], []
         for rows in passes:
-            for group, output in self._run_pass(adapter, rows):
-                outputs.append(output)
-                order += [q for row in group for q in row.queries]
+            output, rows_run = self._run_pass(adapter, rows)
+            outputs.append(output)
+            order += [q for row in rows_run for q in row.queries]
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), order
 
-    def _run_pass(
-        self, adapter: str | None, rows: list[Row]
-    ) -> list[tuple[list[Row], torch.Tensor]]:
-        """One pass of `plan_passes`, in `sub_batches`: each row from its longest cached
-        prefix, before its first read's last token (that token's logits are a result).
+    def _run_pass(self, adapter: str | None, rows: list[Row]) -> tuple[torch.Tensor, list[Row]]:
+        """One pass of `plan_passes`, in `sub_batches` evaluated together: each row from its
+        longest cached prefix, before its first read's last token (that token's logits are a
+        result); the new tokens' key/values go into the cache.
 
         Returns:
-            Each sub-batch's rows and what `_run` read from them.
+            The rows read, row by row and read by read (this pass's own tensor), and the
+            rows in that order.
         """
+        import mlx.core as mx
+
+        engine = _engine()
         pasts = [
             self.kv_cache.match(
                 row.context, adapter, (row.reads[0] if row.reads else len(row.context)) - 1
@@ -424,32 +430,53 @@ class AsyncMlxLM(AsyncLM):
         for past in pasts:
             self.kv_cache.lock(past.node)
         try:
-            groups = sub_batches(rows, [past.length for past in pasts])
-            return [
-                (
-                    [rows[g] for g in group],
-                    self._run(adapter, [rows[g] for g in group], [pasts[g] for g in group]),
-                )
+            # Fewest new tokens first: the last sub-batch, whose arrays the next pass may
+            # continue in, is the one with this pass's trunks (they have the most).
+            groups = sub_batches(rows, [past.length for past in pasts], padding=_PADDING)[::-1]
+            batches = [
+                self._start(adapter, [rows[g] for g in group], [pasts[g] for g in group])
                 for group in groups
             ]
+            self._selection.name = adapter
+            read = engine.read_logits(self.model, [run for _, run in batches]).astype(mx.float32)
+            new_kv = [
+                mx.stack([mx.stack(cache.new_key_values()) for cache in caches])
+                for _, (_, caches, _, _) in batches
+            ]
+            mx.eval(read, new_kv)
+            workspace = self._workspaces[adapter]
+            for group, (batch, (_, caches, _, _)), written in zip(
+                groups, batches, new_kv, strict=True
+            ):
+                key_values = engine.to_torch(written)  # [layers, 2, rows, kv_heads, new, head_dim]
+                for row, g in enumerate(group):
+                    ids, length = rows[g].context, pasts[g].length
+                    self.kv_cache.insert(
+                        ids, length, key_values[:, :, row, :, : len(ids) - length], adapter
+                    )
+                if not batch.ragged:
+                    workspace.remember(adapter, [rows[g].context for g in group], caches)
         finally:
             for past in pasts:
                 self.kv_cache.unlock(past.node)
+        # MLX's float32 `logsumexp` sums 10^4-10^5 terms less accurately than torch's
+        # (~1e-4 nats on SmolLM2), so torch normalises. A trunk nobody asked for reads nothing.
+        read_rows = torch.log_softmax(engine.to_torch(read), dim=-1)
+        return read_rows, [rows[g] for group in groups for g in group]
 
-    def _run(self, adapter: str | None, rows: list[Row], pasts: list[PrefixMatch]) -> torch.Tensor:
-        """One forward pass over the uncached tokens of `rows`; caches their key/values.
-
-        Returns:
-            The rows read, row by row and read by read (this batch's own tensor).
-        """
+    def _start(
+        self, adapter: str | None, rows: list[Row], pasts: list[PrefixMatch]
+    ) -> tuple[Any, tuple[Any, list[Any], list[int], list[int]]]:
+        """A sub-batch of `rows` ready to run: its geometry, and for `read_logits` its input
+        ids, its layer caches holding each row's past (the last batch's arrays where the
+        rows continue them), and the row and input index of each position read."""
         import mlx.core as mx
 
         engine = _engine()
         contexts = [row.context for row in rows]
         past_lengths = [past.length for past in pasts]
         new_tokens = [ids[length:] for ids, length in zip(contexts, past_lengths, strict=True)]
-        new_lengths = [len(tokens) for tokens in new_tokens]
-        batch = engine.Batch(past_lengths, new_lengths)
+        batch = engine.Batch(past_lengths, [len(tokens) for tokens in new_tokens])
         workspace = self._workspaces.setdefault(adapter, KVWorkspace())
         previous = workspace.recall(adapter, contexts, past_lengths)
         if previous is not None:
@@ -461,7 +488,6 @@ class AsyncMlxLM(AsyncLM):
         else:
             segments = [past.segments for past in pasts]
             caches = engine.gather_layers(segments, batch, len(self.model.layers))
-
         inputs = mx.array([tokens + (0,) * (batch.n_new - len(tokens)) for tokens in new_tokens])
         read_rows = [index for index, row in enumerate(rows) for _ in row.reads]
         columns = [
@@ -469,22 +495,7 @@ class AsyncMlxLM(AsyncLM):
             for row, past_length in zip(rows, past_lengths, strict=True)
             for length in row.reads
         ]
-        self._selection.name = adapter
-        logits = engine.read_logits(self.model, inputs, caches, read_rows, columns)
-        read = logits.astype(mx.float32)
-        new_kv = mx.stack([mx.stack(cache.new_key_values()) for cache in caches])
-        mx.eval(read, new_kv)
-
-        key_values = engine.to_torch(new_kv)  # [layers, 2, rows, kv_heads, n_new, head_dim]
-        for row, (ids, past_length) in enumerate(zip(contexts, past_lengths, strict=True)):
-            self.kv_cache.insert(
-                ids, past_length, key_values[:, :, row, :, : new_lengths[row]], adapter
-            )
-        if not batch.ragged:
-            workspace.remember(adapter, contexts, caches)
-        # MLX's float32 `logsumexp` sums 10^4-10^5 terms less accurately than torch's
-        # (~1e-4 nats on SmolLM2), so torch normalises. A trunk nobody asked for reads nothing.
-        return torch.log_softmax(engine.to_torch(read), dim=-1)
+        return batch, (inputs, caches, read_rows, columns)
 
 
 def _rope_config(model_name: str) -> dict[str, Any]:

@@ -9,9 +9,10 @@ and per-row positions make rows with different prefix lengths share one pass.
 The layer caches outlive their batch, so a batch whose rows extend the last
 one's continues in the same arrays.
 
-`read_logits` runs a batch through the model and returns the logits at the
+`read_logits` runs batches through the model and returns the logits at the
 positions read only: for the usual architectures it applies the output
-projection at those positions alone, not at every (padded) position.
+projection once for all of them, at those positions alone, not at every
+(padded) position.
 
 `LoraSwitch` wraps a linear layer of the model with any number of LoRA
 adapters (mlx-lm's or peft's format) and applies the one that `LoraSelection`
@@ -89,31 +90,35 @@ def check_supported(model: Any) -> None:
 
 
 def read_logits(
-    model: Any, inputs: mx.array, caches: list[Any], rows: list[int], columns: list[int]
+    model: Any, batches: Sequence[tuple[mx.array, list[Any], list[int], list[int]]]
 ) -> mx.array:
-    """The logits of one forward pass at the positions read, `[reads, vocab]`.
+    """The logits of forward passes at the positions read, `[reads, vocab]`.
 
-    For the architectures of `_PLAIN_HEADS` the output projection runs at
-    those positions alone; any other model runs whole and the positions are
-    gathered from its logits.
+    For the architectures of `_PLAIN_HEADS` the output projection runs once,
+    at the positions read of every pass alone; any other model runs whole and
+    the positions are gathered from its logits.
 
     Args:
         model: An mlx-lm model.
-        inputs: Token ids, `[rows, tokens]`.
-        caches: One cache per layer.
-        rows: Row of each position read.
-        columns: Its index among the row's input tokens.
+        batches: Per forward pass, its token ids (`[rows, tokens]`), one cache
+            per layer, and the row of each position read with its index among
+            the row's input tokens.
 
     Returns:
-        The logits at `(rows[i], columns[i])`, in the model's dtype.
+        The logits at the positions read, pass by pass, in the model's dtype.
     """
-    at = mx.array(rows, dtype=mx.int32), mx.array(columns, dtype=mx.int32)
-    if type(model).__module__ not in _PLAIN_HEADS:
-        return model(inputs, cache=caches)[at]
-    hidden = model.model(inputs, cache=caches)[at]
+    plain = type(model).__module__ in _PLAIN_HEADS
+    run = model.model if plain else model
+    read = [
+        run(inputs, cache=caches)[mx.array(rows, dtype=mx.int32), mx.array(columns, dtype=mx.int32)]
+        for inputs, caches, rows, columns in batches
+    ]
+    read = read[0] if len(read) == 1 else mx.concatenate(read)
+    if not plain:
+        return read
     if "lm_head" in model:
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+        return model.lm_head(read)
+    return model.model.embed_tokens.as_linear(read)
 
 
 class Batch:

@@ -106,14 +106,16 @@ def sub_batches(
     past_lengths: Sequence[int],
     aligned_pasts: bool = False,
     fits: Callable[[int, int, int, int], bool] | None = None,
+    padding: float = 1.0,
 ) -> list[list[int]]:
     """Split the rows of a pass into sub-batches in which padding at most about doubles the work.
 
     A batch pads every row to its most new tokens, and its key/values to its
     longest past. Rows are taken by decreasing new tokens (then past); a row
-    joins the current sub-batch while the padded new tokens stay within twice
-    the real ones plus 8, and the padded key/value slots (past and new) within
-    twice the real ones plus 64 per row; otherwise it starts the next one.
+    joins the current sub-batch while the padded new tokens stay within the
+    real ones plus `padding` times them plus 8, and the padded key/value slots
+    (past and new) within twice the real ones plus 64 per row; otherwise it
+    starts the next one.
 
     Args:
         rows: The rows of a pass.
@@ -121,6 +123,9 @@ def sub_batches(
         aligned_pasts: Rows with different past lengths never share a sub-batch.
         fits: Whether a sub-batch of `(rows, most new tokens, longest past,
             reads)` may run (a working-memory bound, say); `None`: any may.
+        padding: Padding new tokens allowed per real one (beyond 8 a sub-batch
+            may always pad): 1 lets padding about double the work; an engine
+            that computes padding at full cost in every layer wants less.
 
     Returns:
         The sub-batches, as indices into `rows`, each by decreasing new tokens.
@@ -135,7 +140,7 @@ def sub_batches(
             n_rows, max_new = len(group) + 1, sizes[group[0]][0]  # its first has the most new
             grown_past = max(past, max_past)
             if (
-                n_rows * max_new <= 2 * (real_new + new) + 8
+                n_rows * max_new <= (1 + padding) * (real_new + new) + 8
                 and n_rows * (max_new + grown_past) <= 2 * (real_all + new + past) + 64 * n_rows
                 and not (aligned_pasts and past != sizes[group[0]][1])
                 and (fits is None or fits(n_rows, max_new, grown_past, reads + len(rows[g].reads)))

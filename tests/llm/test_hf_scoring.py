@@ -135,6 +135,11 @@ def test_a_bound_that_cannot_hold_one_row_is_a_value_error(model_and_tokenizer):
     with pytest.raises(TypeError, match="max_batch_bytes must be an int"):
         AsyncTransformer(*model_and_tokenizer, max_batch_bytes=2.5e9)
     probe = AsyncTransformer(*model_and_tokenizer)
+    with pytest.raises(ValueError, match="max_batch_bytes=1000 cannot hold"):
+        probe.max_batch_bytes = 1000
+    with pytest.raises(TypeError, match="max_batch_bytes must be an int"):
+        probe.max_batch_bytes = "2 GiB"
+    assert probe.max_batch_bytes == 2 * 1024**3
     bound = 2 * probe._passes.working_set(1, 8, 8, 1)
     lm = AsyncTransformer(*model_and_tokenizer, max_batch_bytes=bound)
     assert lm.next_token_logprobs_sync(random_ids(10, 4)).shape == (lm.vocab_size,)

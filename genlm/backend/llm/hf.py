@@ -184,7 +184,12 @@ class AsyncTransformer(AsyncLM):
 
     @property
     def max_batch_bytes(self) -> int:
-        """Bound on the working memory of batches, in bytes (see the constructor)."""
+        """Bound on the working memory of batches, in bytes (see the constructor).
+
+        Raises:
+            ValueError: On assignment, if it cannot hold a batch of one one-token context.
+            TypeError: On assignment, if it is not an int.
+        """
         return self._passes.max_batch_bytes
 
     @max_batch_bytes.setter

@@ -65,7 +65,6 @@ class ForwardPasses:
         model: The model; the backend replaces it when it wraps it for LoRA.
         vocab_size: Length of a logprobs row (the model's input embeddings).
         max_length: Longest context the model accepts (`None`: no limit known).
-        max_batch_bytes: The working-memory bound.
         device: Where the model's input embeddings live (inputs go there).
 
     Raises:
@@ -98,17 +97,31 @@ class ForwardPasses:
         self._heads, self._token_kv_bytes, self._token_activation_bytes = token_sizes(
             config, self._n_layers, embeddings.weight.element_size()
         )
-        if isinstance(max_batch_bytes, bool) or not isinstance(max_batch_bytes, int):
-            raise TypeError(f"max_batch_bytes must be an int, got {max_batch_bytes!r}")
-        smallest = 2 * self.working_set(1, 1, 1, 1)
-        if max_batch_bytes < smallest:
-            raise ValueError(
-                f"max_batch_bytes={max_batch_bytes} cannot hold a batch of one one-token "
-                f"context of this model (about {smallest} bytes, two buffers)"
-            )
         self.max_batch_bytes = max_batch_bytes
         self._workspace = KVWorkspace()
         self._warned_out_of_memory = False
+
+    @property
+    def max_batch_bytes(self) -> int:
+        """The working-memory bound, in bytes.
+
+        Raises:
+            ValueError: On assignment, if it cannot hold a batch of one one-token context.
+            TypeError: On assignment, if it is not an int.
+        """
+        return self._max_batch_bytes
+
+    @max_batch_bytes.setter
+    def max_batch_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"max_batch_bytes must be an int, got {value!r}")
+        smallest = 2 * self.working_set(1, 1, 1, 1)
+        if value < smallest:
+            raise ValueError(
+                f"max_batch_bytes={value} cannot hold a batch of one one-token "
+                f"context of this model (about {smallest} bytes, two buffers)"
+            )
+        self._max_batch_bytes = value
 
     def call_model(self, adapter: str | None, **inputs: Any) -> Any:
         """Run the model under `adapter` (`None`: the base model, adapters disabled)."""

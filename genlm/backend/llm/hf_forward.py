@@ -305,8 +305,10 @@ class ForwardPasses:
             self._kv_cache.lock(past.node)
         try:
             limit = self.batch_limit()
-            alone = [g for g, row in enumerate(rows) if not self._fits(row, pasts[g].length, limit)]
-            batched = [g for g in range(len(rows)) if g not in set(alone)]
+            alone, batched = [], []  # rows too big for the bound alone, and the others
+            for g, (row, past) in enumerate(zip(rows, pasts, strict=True)):
+                end = self._longest_fitting(row.reads, past.length, len(row.context), limit)
+                (batched if end == len(row.context) else alone).append(g)
             groups = [
                 [batched[g] for g in group]
                 for group in self._plan([pasts[g] for g in batched], [rows[g] for g in batched])
@@ -426,11 +428,6 @@ class ForwardPasses:
             chunks.append((logprobs, readers[:n_reads]))
             reads, readers = reads[n_reads:], readers[n_reads:]
             start, previous = end, (storage, [0])
-
-    def _fits(self, row: Row, past: int, limit: int) -> bool:
-        """Whether a row fits the working-memory bound alone."""
-        context = len(row.context)
-        return self.working_set(1, context, context - past, len(row.reads)) <= limit
 
     def _longest_fitting(self, reads: list[int], start: int, stop: int, limit: int) -> int:
         """The longest prefix of a row (at most `stop` tokens, with `start` computed) whose

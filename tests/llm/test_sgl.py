@@ -143,6 +143,21 @@ def test_from_name_builds_a_single_gpu_scheduler(tiny_gpt2_path, monkeypatch):
     assert len(lm.byte_vocab) == len(AutoTokenizer.from_pretrained(tiny_gpt2_path))
 
 
+def test_from_name_keeps_results_within_a_byte_budget_unless_told_otherwise(
+    tiny_gpt2_path, monkeypatch
+):
+    sgl_standin.install(monkeypatch)
+    lm = AsyncSGLTransformer.from_name(str(tiny_gpt2_path), cache_opts={"max_bytes": 4096})
+    assert lm.cache.max_bytes == 4096 and lm.cache.maxsize > 10**9
+    prompt = [1, 2, 3]
+    first = lm.next_token_logprobs_sync(prompt)
+    assert lm.cache.nbytes == 0  # a row of 50,257 float32s does not fit 4 KiB
+    lm = AsyncSGLTransformer.from_name(str(tiny_gpt2_path))
+    assert lm.cache.max_bytes == 256 * 1024**2
+    assert torch.equal(lm.next_token_logprobs_sync(prompt), first)
+    assert len(lm.cache) == 1
+
+
 def test_overlap_scheduler_is_rejected(tiny_gpt2_path, monkeypatch):
     sgl_standin.install(monkeypatch)
     with pytest.raises(ValueError, match="disable_overlap_schedule"):

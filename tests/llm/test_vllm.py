@@ -83,7 +83,9 @@ def vllm_lm(smollm2_path, vllm_engine_opts):
     """The module's engine; it serves the LoRA tests too where LoRA runs in its dtype."""
     shares_lora = LORA_DTYPE == ENGINE_OPTS["dtype"]
     opts = {**ENGINE_OPTS, **LORA_OPTS} if shares_lora else ENGINE_OPTS
-    lm = AsyncVirtualLM.from_name(str(smollm2_path), engine_opts=vllm_engine_opts(opts))
+    # Without an output cache, as the constructor's default: every call reaches the engine.
+    opts = vllm_engine_opts(opts)
+    lm = AsyncVirtualLM.from_name(str(smollm2_path), engine_opts=opts, cache_size=0)
     yield lm
     lm.cleanup()
 
@@ -95,7 +97,7 @@ def lora_lm(vllm_lm, smollm2_path, vllm_engine_opts):
         yield vllm_lm
         return
     opts = vllm_engine_opts({**ENGINE_OPTS, **LORA_OPTS})
-    lm = AsyncVirtualLM.from_name(str(smollm2_path), engine_opts=opts)
+    lm = AsyncVirtualLM.from_name(str(smollm2_path), engine_opts=opts, cache_size=0)
     yield lm
     lm.cleanup()
 
@@ -174,6 +176,33 @@ async def test_a_gather_beyond_batch_size_enters_the_engine_together(vllm_lm, re
     vllm_lm.batch_size = 20
     assert [len(call) for call in rounds] == [len(PROMPTS)]
     assert_matches(results, torch.stack([reference(p) for p in PROMPTS]))
+
+
+async def test_all_prefixes_of_a_sequence_are_one_request(vllm_lm, reference, rounds):
+    # 70 tokens that no other test sends (none of its blocks is in the prefix cache): the
+    # 32-token step budget splits it over three steps, and its rows are read chunk by chunk.
+    # The module's engine has LoRA enabled, so this also covers rows read around vLLM's LoRA
+    # output layer.
+    ids = list(range(600, 670))
+    prefixes = [ids[:i] for i in range(len(ids), 0, -1)] + [PROMPTS[0]]
+    rows = await vllm_lm.batch_next_token_logprobs(prefixes)
+    assert rounds == [[tuple(ids), tuple(PROMPTS[0])]]
+    assert_matches(rows, torch.stack([reference(p) for p in prefixes]))
+
+
+async def test_prefixes_in_the_prefix_cache_are_asked_again(vllm_lm, reference, rounds):
+    # The whole 70-token sequence first: its two full 32-token blocks enter the prefix cache,
+    # so a request for a longer sequence reads them from there and computes no row for the
+    # prefixes that end inside them. Those are asked again, by one request that recomputes
+    # the 64 tokens (fewer than 64 requests that each recompute their last block).
+    ids = list(range(400, 470))
+    await vllm_lm.next_token_logprobs(ids)
+    rounds.clear()
+    longer = [*ids, 5, 6]
+    prefixes = [longer[:i] for i in range(1, len(longer) + 1)]
+    rows = await vllm_lm.batch_next_token_logprobs(prefixes)
+    assert rounds == [[tuple(longer)], [tuple(longer[:64])]]
+    assert_matches(rows, torch.stack([reference(p) for p in prefixes]))
 
 
 def test_batch_sync_recomputes_in_order(make_lm, reference, rounds):
@@ -331,11 +360,12 @@ def adapters(smollm2_path, tmp_path_factory):
         folders[name] = tmp_path_factory.mktemp(f"adapter_{name}")
         adapted.save_pretrained(folders[name])
         merged = adapted.merge_and_unload().eval()
-        with torch.no_grad():
-            references[name] = {
-                tuple(p): torch.log_softmax(merged(torch.tensor([p])).logits[0, -1], -1)
-                for p in LORA_PROMPTS
-            }
+        references[name] = {}
+        for prompt in LORA_PROMPTS:  # every prefix: row i of one forward pass is prompt[: i + 1]
+            with torch.no_grad():
+                rows = torch.log_softmax(merged(torch.tensor([prompt])).logits[0], -1)
+            for i, row in enumerate(rows):
+                references[name][tuple(prompt[: i + 1])] = row
         del merged, adapted, base
         gc.collect()
     return folders, references
@@ -370,6 +400,28 @@ async def test_adapters_and_base_in_one_window_match_merged_references(
     first = await lm.sample(PROMPTS[0], 4, [], seed=5, lora_name="first")
     lm.set_lora(str(folders["first"]), "first")
     assert first == await lm.sample(PROMPTS[0], 4, [], seed=5)
+
+
+async def test_all_prefixes_under_an_adapter_are_one_request(
+    lora_lm, reference, adapters, lora_rounds
+):
+    folders, references = adapters
+    lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture)
+    lm.add_new_lora(str(folders["first"]), "chained")
+    lora_rounds.clear()  # its startup check
+    prompt = LORA_PROMPTS[0]
+    prefixes = [prompt[:i] for i in range(1, len(prompt) + 1)]
+    adapted, base = await asyncio.gather(
+        lm.batch_next_token_logprobs(prefixes, lora_name="chained"),
+        lm.batch_next_token_logprobs(prefixes),
+    )
+    # One request each; the engine runs base-model and adapter requests in separate steps.
+    assert sorted(lora_rounds) == [[tuple(prompt)], [tuple(prompt)]]
+    assert_matches(
+        adapted, torch.stack([references["first"][tuple(p)] for p in prefixes]), LORA_DTYPE
+    )
+    assert_matches(base, torch.stack([reference(p) for p in prefixes]), LORA_DTYPE)
+    lm.remove_lora("chained")
 
 
 def test_replacing_and_removing_an_adapter(lora_lm, reference, adapters):
@@ -476,8 +528,8 @@ def test_a_capture_records_only_requests_it_owns_or_that_name_no_owner():
     mine, anyone = first.take(["mine", "anyone"])
     torch.testing.assert_close(mine, expected[0])
     torch.testing.assert_close(anyone, expected[2])
-    assert first.take(["theirs"], strict=False) == []
-    assert second.take(["mine"], strict=False) == []
+    assert first.take(["theirs"], strict=False) == [None]
+    assert second.take(["mine"], strict=False) == [None]
     assert len(second.take(["theirs", "anyone"])) == 2
 
 
@@ -511,6 +563,9 @@ async def test_cleanup_releases_the_engine(tiny_llama_path, vllm_engine_opts):
     async with AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=opts) as lm:
         model = weakref.ref(lm.underlying_model)
         assert (await lm.next_token_logprobs([1, 2])).shape == (lm.vocab_size,)
+        # from_name keeps results unless told not to, within 256 MiB.
+        assert [1, 2] in [list(key[1]) for key in lm.cache._entries]
+        assert lm.cache.max_bytes == 256 * 1024**2
     gc.collect()
     assert model() is None
     with pytest.raises(RuntimeError, match="cleaned up"):

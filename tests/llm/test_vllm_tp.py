@@ -62,7 +62,7 @@ def tp_lm(tiny_llama_path, vllm_engine_opts):
     os.environ.update(TP_ENV)
     try:
         opts = vllm_engine_opts(TP_OPTS)
-        lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=opts)
+        lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=opts, cache_size=0)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -121,6 +121,16 @@ async def test_concurrent_queries_enter_together_duplicates_once(tp_lm, referenc
     assert sorted(rounds[0]) == sorted(tuple(p) for p in PROMPTS)
     for prompt, row in zip(queries, results, strict=True):
         torch.testing.assert_close(row, reference(prompt), atol=ATOL, rtol=0)
+
+
+async def test_all_prefixes_are_one_request_read_through_the_workers(tp_lm, reference, rounds):
+    ids = list(range(500, 560))  # sent by no other test: nothing of it in the prefix cache
+    prefixes = [ids[:i] for i in range(1, len(ids) + 1)]
+    rows = await tp_lm.batch_next_token_logprobs(prefixes)
+    assert rounds == [[tuple(ids)]]
+    torch.testing.assert_close(
+        rows, torch.stack([reference(p) for p in prefixes]), atol=ATOL, rtol=0
+    )
 
 
 async def test_cache_and_seeded_sampling(tp_lm, rounds):

@@ -5,14 +5,63 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import numbers
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
 from genlm.backend.tokenization import decode_vocab
+
+if TYPE_CHECKING:
+    from genlm.backend.cache import OutputCache
+
+
+# The output cache's memory budget where the backend sizes it: `AsyncTransformer`'s and
+# `AsyncMlxLM`'s default, and what `from_name` of `AsyncVirtualLM` and `AsyncSGLTransformer`
+# give unless told otherwise.
+DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2
+
+
+def with_default_output_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Constructor `kwargs` with an output cache bounded in bytes, unless they size it.
+
+    For backends whose constructor takes `cache_size` (entries, `0` = off) and
+    `cache_opts` (further `OutputCache` options): without `cache_size`, the cache
+    holds as many rows as `DEFAULT_OUTPUT_CACHE_BYTES` (or `cache_opts["max_bytes"]`)
+    allow.
+    """
+    if "cache_size" in kwargs:
+        return kwargs
+    cache_opts = {"max_bytes": DEFAULT_OUTPUT_CACHE_BYTES, **(kwargs.get("cache_opts") or {})}
+    return {**kwargs, "cache_size": sys.maxsize, "cache_opts": cache_opts}
+
+
+async def rows_through_cache(
+    cache: OutputCache,
+    keys: Sequence[Hashable],
+    compute: Callable[[int], Awaitable[torch.Tensor]],
+) -> torch.Tensor:
+    """The rows of `keys` in one new tensor: cached ones copied in one go, the rest computed.
+
+    Args:
+        cache: The backend's output cache.
+        keys: One cache key per row.
+        compute: `compute(i)` gives the row of `keys[i]` (e.g. a batcher's
+            `submit`); the rows not cached are awaited concurrently.
+
+    Returns:
+        A 2-D tensor, row `i` for `keys[i]`.
+    """
+    rows, missing = cache.get_rows(keys)
+    computed = await asyncio.gather(*(compute(i) for i in missing))
+    if rows is None:
+        return torch.stack(computed)
+    for i, row in zip(missing, computed, strict=True):
+        rows[i].copy_(row)
+    return rows
 
 
 def check_token_ids(

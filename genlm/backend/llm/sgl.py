@@ -42,7 +42,7 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.errors import EngineDeadError
-from genlm.backend.llm.base import AsyncLM, check_token_ids
+from genlm.backend.llm.base import AsyncLM, check_token_ids, with_default_output_cache
 
 _INSTALL_HINT = "the SGLang backend needs SGLang: pip install 'genlm-backend[sglang]'"
 
@@ -356,8 +356,9 @@ class AsyncSGLTransformer(AsyncLM):
         sgl_model: An SGLang `Scheduler` (see `from_name`), built with
             `disable_overlap_schedule=True` and its tokenizer loaded. This object
             drives it from now on.
-        cache_size: Entries of the output cache (`0`: no cache).
-        cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`).
+        cache_size: Entries of the output cache (`0`: no cache; `from_name`
+            turns it on, bounded in bytes).
+        cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`, `max_bytes`).
 
     Raises:
         ImportError: If SGLang is not installed.
@@ -405,6 +406,9 @@ class AsyncSGLTransformer(AsyncLM):
                 `lora_target_modules`, and optionally `max_loras_per_batch`).
             gpu_id: The GPU the scheduler runs on.
             **kwargs: Passed to the constructor (`cache_size`, `cache_opts`).
+                Unless `cache_size` is given, the output cache is on, bounded
+                by `cache_opts["max_bytes"]` (default 256 MiB, as
+                `AsyncTransformer`'s).
 
         Returns:
             The backend, owning the new scheduler.
@@ -420,7 +424,7 @@ class AsyncSGLTransformer(AsyncLM):
             sgl.set_global_server_args(server_args)
         port_args = sgl.PortArgs.init_new(server_args)
         scheduler = sgl.Scheduler(server_args, port_args, **_rank_kwargs(sgl.Scheduler, gpu_id))
-        return cls(scheduler, **kwargs)
+        return cls(scheduler, **with_default_output_cache(kwargs))
 
     def _query(self, token_ids: Sequence[int], lora_name: str | None) -> Query:
         self._driver.check_alive()

@@ -28,22 +28,25 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
-import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import OutputCache
-from genlm.backend.llm.base import AsyncLM, check_sampling_args, check_token_ids
-from genlm.backend.llm.vllm_engine import EngineRequest, close_engine_loop, engine_loop
+from genlm.backend.llm.base import (
+    AsyncLM,
+    check_sampling_args,
+    check_token_ids,
+    rows_through_cache,
+    with_default_output_cache,
+)
+from genlm.backend.llm.vllm_engine import close_engine_loop, engine_loop, then
 from genlm.backend.llm.vllm_logits import (
-    CAPTURE_OWNER,
-    CAPTURE_TAG,
     EXTENSION,
     GlobalLogprobsCapture,
     LogprobsWorkerExtension,
@@ -53,27 +56,23 @@ from genlm.backend.llm.vllm_logits import (
     shutdown_engine,
     vllm_chose_v2_runner,
 )
+from genlm.backend.llm.vllm_requests import (
+    SampleRequest,
+    adapts_output_layer,
+    captured_request,
+    check_capture,
+    new_tags,
+    plan_requests,
+    probe_request,
+    raise_first_error,
+    refused,
+    sample_request,
+    until_stop,
+)
 
 __all__ = ["AsyncVirtualLM", "GlobalLogprobsCapture", "LogprobsWorkerExtension"]
 
 logger = logging.getLogger(__name__)
-
-# Capture tags, unique in this process: several models may share one engine and capture.
-_capture_tags = itertools.count()
-# The startup check compares this many of vLLM's own top log-probabilities with the capture's.
-_CHECKED_LOGPROBS = 5
-# Largest spread, in nats, of (captured - vLLM's own) over those tokens: both are float32
-# log-softmaxes of the same logits (measured spread ~1e-6); a wrong row is off by ~1 or more.
-_CHECK_TOLERANCE = 1e-3
-
-
-class _SampleRequest(NamedTuple):
-    lora: Any  # a vLLM `LoRARequest`, or None for the base model
-    prompt: tuple[int, ...]
-    max_tokens: int
-    eos_token_ids: tuple[int, ...]
-    temperature: float
-    seed: int | None
 
 
 class AsyncVirtualLM(AsyncLM):
@@ -84,6 +83,12 @@ class AsyncVirtualLM(AsyncLM):
     step; `sample` calls likewise. The engine runs continuously: groups that
     arrive while it works join it without waiting for the others to finish.
     Several `AsyncVirtualLM`s over one `vllm.LLM` share its engine thread.
+
+    Queries of one batch that are prefixes of a longer one (all prefixes of
+    a sequence, a critic's rows) share that one's request: the engine
+    computes the sequence once and the rows are read at their prompt
+    positions (V1 model runner; on the V2 runner, or with LoRA weights in
+    the model's output layer, every query gets a request of its own).
 
     If the engine dies (a worker process exits, or its step raises an error
     that outlives the requests that met it; see `vllm_engine.EngineLoop`),
@@ -99,8 +104,9 @@ class AsyncVirtualLM(AsyncLM):
             `worker_extension_cls` set to `LogprobsWorkerExtension` (each
             worker then records with a capture of its own).
         logprobs_capture: The `GlobalLogprobsCapture` used in this process.
-        cache_size: Entries of the output cache (`0` turns it off).
-        cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`).
+        cache_size: Entries of the output cache (`0` turns it off; `from_name`
+            turns it on, bounded in bytes).
+        cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`, `max_bytes`).
         batch_size: A batch runs as soon as this many distinct queries wait (or
             when the event loop goes quiet; see `genlm.backend.batcher`).
         timeout: Seconds after the oldest waiting query that trigger a batch.
@@ -121,7 +127,7 @@ class AsyncVirtualLM(AsyncLM):
         batch_size: int = 20,
         timeout: float = 0.02,
     ):
-        self._engine = engine_loop(llm_engine, _probe_request())
+        self._engine = engine_loop(llm_engine, probe_request())
         self._logits = self._engine.call(logits_source, llm_engine, logprobs_capture).result()
         super().__init__(llm_engine.get_tokenizer())
         self.llm_engine = llm_engine
@@ -135,6 +141,12 @@ class AsyncVirtualLM(AsyncLM):
         )
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
         self._closed = False
+        # Whether queries that are prefixes of a longer one share its request (see
+        # `vllm_requests`): the engine must record rows at prompt positions.
+        self._chains = self._logits.reads_prompt_rows
+        # Adapters with output-layer weights, which the prompt-position rows leave out.
+        self._unchained_adapters: set = set()
+        self._block_size = llm_engine.llm_engine.vllm_config.cache_config.block_size
         self._check_capture()
 
     @classmethod
@@ -169,6 +181,10 @@ class AsyncVirtualLM(AsyncLM):
                 Without it, the CPU build asks for 92% of its memory node
                 and refuses to start when less is free.
             **kwargs: Passed to the constructor (`cache_size`, `batch_size`, ...).
+                Unless `cache_size` is given, the output cache is on, bounded
+                by `cache_opts["max_bytes"]` (default 256 MiB, as
+                `AsyncTransformer`'s): a critic's or a sampler's earlier
+                contexts are then not computed again.
 
         Returns:
             The model.
@@ -180,6 +196,7 @@ class AsyncVirtualLM(AsyncLM):
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = import_vllm()
+        kwargs = with_default_output_cache(kwargs)
         from vllm.platforms import current_platform
 
         options = {"enable_prefix_caching": True, "worker_extension_cls": EXTENSION}
@@ -281,6 +298,35 @@ class AsyncVirtualLM(AsyncLM):
             return cached
         return await self._logprobs_batcher.submit(query)
 
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Next-token log-probabilities of several contexts: one batch with whatever else waits.
+
+        Cached rows are copied in one go; the contexts that are prefixes of a
+        longer one share its request (see the class).
+
+        Args:
+            token_ids_list: The contexts (may be empty).
+            lora_name: The adapter for this call (`None`: the active one, if any).
+
+        Returns:
+            A 2-D tensor, one row per context, in input order (`(0, vocab_size)`
+            for no context), owned by the caller.
+
+        Raises:
+            ValueError: For bad token ids (see `check_token_ids`), an unknown
+                `lora_name`, or an adapter removed while the queries waited.
+            RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died, before or while the queries waited.
+        """
+        if len(token_ids_list) == 0:
+            self.loras.select(lora_name)
+            return torch.empty((0, self.vocab_size))
+        queries = [self._query(token_ids, lora_name) for token_ids in token_ids_list]
+        submit = self._logprobs_batcher.submit
+        return await rows_through_cache(self.cache, queries, lambda i: submit(queries[i]))
+
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None
     ) -> torch.Tensor:
@@ -302,7 +348,7 @@ class AsyncVirtualLM(AsyncLM):
         cached = self.cache.get(query)
         if cached is not None:
             return cached
-        return _results(self._run_logprobs([query]).result())[0]
+        return raise_first_error(self._run_logprobs([query]).result())[0]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
@@ -331,7 +377,7 @@ class AsyncVirtualLM(AsyncLM):
             return torch.empty((0, self.vocab_size))
         queries = [self._query(token_ids, lora_name) for token_ids in token_ids_list]
         distinct = list(dict.fromkeys(queries))
-        computed = _results(self._run_logprobs(distinct).result())
+        computed = raise_first_error(self._run_logprobs(distinct).result())
         rows = dict(zip(distinct, computed, strict=True))
         return torch.stack([rows[query] for query in queries])
 
@@ -371,7 +417,7 @@ class AsyncVirtualLM(AsyncLM):
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         if max_tokens == 0:
             return []
-        request = _SampleRequest(lora, prompt, max_tokens, tuple(eos_token_ids), temperature, seed)
+        request = SampleRequest(lora, prompt, max_tokens, tuple(eos_token_ids), temperature, seed)
         return await self._sample_batcher.submit(request)
 
     def clear_cache(self) -> None:
@@ -407,7 +453,10 @@ class AsyncVirtualLM(AsyncLM):
         from vllm.lora.request import LoRARequest
 
         replaced = self.loras[lora_name] if lora_name in self.loras else None
-        self.loras.add(lora_name, LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path))
+        request = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
+        self.loras.add(lora_name, request)
+        if adapts_output_layer(lora_path):
+            self._unchained_adapters.add(request)
         if replaced is not None:
             self._forget_adapter(replaced)
 
@@ -450,6 +499,7 @@ class AsyncVirtualLM(AsyncLM):
     def _forget_adapter(self, request: Any) -> None:
         """Drop a `LoRARequest` that is no longer registered from the cache and the engine."""
         self.cache.remove_if(lambda query: query[0] == request)
+        self._unchained_adapters.discard(request)
         # The engine keeps loaded adapters by id; the id of a name never changes.
         self._engine.call(self.llm_engine.llm_engine.remove_lora, request.lora_int_id).result()
 
@@ -523,66 +573,90 @@ class AsyncVirtualLM(AsyncLM):
         return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
 
     def _check_capture(self) -> None:
-        """Compare one captured row with vLLM's own top log-probabilities of that request.
-
-        Only differences between tokens are compared, so engines that report
-        logits (`logprobs_mode`) pass too.
-
-        Raises:
-            RuntimeError: If they differ: the capture reads the wrong rows.
-        """
-        limit = self.llm_engine.llm_engine.model_config.max_logprobs
-        count = _CHECKED_LOGPROBS if limit < 0 else min(_CHECKED_LOGPROBS, limit)
-        if count < 2:  # the engine reports too little to compare
-            return
-        tag = next(_capture_tags)
-        request = _captured_request(range(4), None, tag, self._logits.owner, logprobs=count)
-
-        def finish(outputs: list) -> tuple[torch.Tensor, dict]:
-            (row,) = self._logits.take([tag])
-            return row, outputs[0].outputs[0].logprobs[0]
-
-        def discard() -> None:
-            self._logits.take([tag], discard=True)
-
-        row, reported = self._engine.run([request], finish, discard).result()
-        token_ids = list(reported)
-        captured = row[token_ids].double().cpu()
-        own = torch.tensor([reported[t].logprob for t in token_ids], dtype=torch.float64)
-        offsets = captured - own
-        spread = (offsets.max() - offsets.min()).item()
-        if not spread <= _CHECK_TOLERANCE:
-            raise RuntimeError(
-                hook_error(
-                    f"its captured log-probabilities differ from vLLM's own by up to "
-                    f"{spread:.3g} nats (tokens {token_ids}); with the V2 model runner, "
-                    "try VLLM_USE_V2_MODEL_RUNNER=0"
-                )
-            )
+        """Check the capture on one request (see `check_capture`); it may turn chains off."""
+        max_logprobs = self.llm_engine.llm_engine.model_config.max_logprobs
+        self._chains = check_capture(self._engine, self._logits, self._chains, max_logprobs)
 
     async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
         return await asyncio.wrap_future(self._run_logprobs(queries))
 
-    async def _evaluate_samples(self, requests: list[_SampleRequest]) -> list[list[int]]:
+    async def _evaluate_samples(self, requests: list[SampleRequest]) -> list[list[int]]:
         return await asyncio.wrap_future(self._run_samples(requests))
 
     def _run_logprobs(self, queries: list[tuple]) -> Future:
-        """Put one request per query into the engine; the future gives their rows."""
-        tags = [next(_capture_tags) for _ in queries]
-        pairs = zip(queries, tags, strict=True)
-        owner = self._logits.owner
-        requests = [
-            _captured_request(ids, lora, tag, owner, check=self._adapter_check(lora))
-            for (lora, ids), tag in pairs
-        ]
+        """Put the queries into the engine; the future gives their rows (or their errors).
 
-        def finish(outcomes: list) -> list[torch.Tensor | ValueError]:
-            served = [i for i, outcome in enumerate(outcomes) if not _refused(outcome)]
+        Queries that are prefixes of a longer one share its request (see
+        `vllm_requests`). A chain's rows at positions the engine took from
+        its prefix cache are missing: those queries are asked again, by
+        chains that recompute their whole prompt or by requests of their own,
+        whichever computes fewer tokens.
+        """
+
+        def ask_again(outcomes: list) -> list | Future:
+            missing = [i for i, outcome in enumerate(outcomes) if outcome is None]
+            if not missing:
+                return outcomes
+
+            def fill(again: list) -> list:
+                for i, outcome in zip(missing, again, strict=True):
+                    outcomes[i] = outcome
+                return outcomes
+
+            return then(self._submit_logprobs([queries[i] for i in missing], True), fill)
+
+        return then(self._submit_logprobs(queries, False), ask_again)
+
+    def _may_chain(self, lora: Any) -> bool:
+        """Whether queries for `lora` may share a request (see `plan_requests`)."""
+        return self._chains and lora not in self._unchained_adapters
+
+    def _submit_logprobs(self, queries: list[tuple], recompute: bool) -> Future:
+        """One round of requests for `queries` (see `plan_requests` for `recompute`).
+
+        The future gives one outcome per query: its row, the error that kept
+        its request out, or `None` for a row the request could not read (not
+        when `recompute`: then that is an error).
+        """
+        plan = plan_requests(queries, self._may_chain, recompute, self._block_size)
+        tags = new_tags(len(queries))
+        requests = []
+        for chain in plan:
+            lora, ids = queries[chain.members[0]]
+            prompt_rows = [(len(queries[i][1]) - 1, tags[i]) for i in chain.members[1:]]
+            requests.append(
+                captured_request(
+                    ids,
+                    lora,
+                    tags[chain.members[0]],
+                    self._logits.owner,
+                    check=self._adapter_check(lora),
+                    prompt_rows=prompt_rows,
+                    reads_prefix_cache=chain.reads_prefix_cache,
+                )
+            )
+
+        def finish(outcomes: list) -> list[torch.Tensor | BaseException | None]:
+            results: list[Any] = [None] * len(queries)
+            served = []
+            for chain, outcome in zip(plan, outcomes, strict=True):
+                if refused(outcome):
+                    for i in chain.members:
+                        results[i] = outcome
+                else:
+                    served.extend(chain.members)
             rows = self._logits.take([tags[i] for i in served]) if served else []
-            self.cache.store_rows([queries[i] for i in served], rows)
-            results = list(outcomes)
-            for i, row in zip(served, rows, strict=True):
+            leads = {chain.members[0] for chain in plan}
+            unread = sum(row is None and i in leads for i, row in zip(served, rows, strict=True))
+            if unread:
+                raise RuntimeError(hook_error(f"no logits were recorded for {unread} requests"))
+            found = [(i, row) for i, row in zip(served, rows, strict=True) if row is not None]
+            for i, row in found:
                 results[i] = row
+            self.cache.store_rows([queries[i] for i, _ in found], [row for _, row in found])
+            if recompute:
+                error = RuntimeError(hook_error("a row at a prompt position was not recorded"))
+                results = [error if outcome is None else outcome for outcome in results]
             return results
 
         def discard() -> None:  # rows recorded before the failure
@@ -590,104 +664,24 @@ class AsyncVirtualLM(AsyncLM):
 
         return self._engine.run(requests, finish, discard)
 
-    def _run_samples(self, requests: list[_SampleRequest]) -> Future:
+    def _run_samples(self, requests: list[SampleRequest]) -> Future:
         """Put the sampling requests into the engine; the future gives their tokens."""
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
         engine_requests = [
-            EngineRequest(
-                tokens_input(list(request.prompt)),
-                SamplingParams(
-                    max_tokens=request.max_tokens,
-                    temperature=request.temperature,
-                    seed=request.seed,
-                    stop_token_ids=list(request.eos_token_ids),
-                    ignore_eos=True,  # stop at `eos_token_ids` only, not at the model's own EOS
-                    detokenize=False,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
-                ),
-                request.lora,
-                self._adapter_check(request.lora),
-            )
-            for request in requests
+            sample_request(request, self._adapter_check(request.lora)) for request in requests
         ]
 
         def finish(outcomes: list) -> list[list[int] | ValueError]:
             return [
                 outcome
-                if _refused(outcome)
-                else _until_stop(outcome.outputs[0].token_ids, request.eos_token_ids)
+                if refused(outcome)
+                else until_stop(outcome.outputs[0].token_ids, request.eos_token_ids)
                 for request, outcome in zip(requests, outcomes, strict=True)
             ]
 
         return self._engine.run(engine_requests, finish)
 
 
-def _captured_request(
-    token_ids: Sequence[int],
-    lora: Any,
-    tag: int,
-    owner: int | None,
-    logprobs: int | None = None,
-    check: Callable[[], BaseException | None] | None = None,
-) -> EngineRequest:
-    """A one-token request whose next-token row the capture `owner` (`None`: any) records."""
-    # From the submodules: `from vllm import ...` goes through vLLM's lazy module
-    # `__getattr__` at every call, about half of this function's time.
-    from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    extra_args: dict[str, int] = {CAPTURE_TAG: tag}
-    if owner is not None:
-        extra_args[CAPTURE_OWNER] = owner
-    params = SamplingParams(
-        max_tokens=1,
-        temperature=1.0,
-        logprobs=logprobs,
-        detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-        extra_args=extra_args,
-    )
-    return EngineRequest(tokens_input(list(token_ids)), params, lora, check)
-
-
-def _probe_request() -> EngineRequest:
-    """A greedy one-token request with a one-token prompt: whether the engine still runs."""
-    from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(
-        max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
-    )
-    return EngineRequest(tokens_input([0]), params, None)
-
-
 def _discard_engine(llm: Any) -> None:
     """Stop the loop that drives `llm`'s engine and shut the engine down."""
     close_engine_loop(llm)
     shutdown_engine(llm)
-
-
-def _refused(outcome: Any) -> bool:
-    """Whether a request's outcome is the error its check returned (it never ran)."""
-    return isinstance(outcome, BaseException)
-
-
-def _results(outcomes: list) -> list:
-    """`outcomes` if none is an error; else the first error is raised (a sync call's)."""
-    for outcome in outcomes:
-        if _refused(outcome):
-            raise outcome
-    return outcomes
-
-
-def _until_stop(token_ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
-    """The generated tokens up to the first stopping token, which is left out."""
-    stop = set(stop_ids)
-    tokens = []
-    for token_id in token_ids:
-        if token_id in stop:
-            break
-        tokens.append(int(token_id))
-    return tokens

@@ -494,6 +494,58 @@ class EngineLoop:
         _answer(group.future, error=exc)
 
 
+def then(first: Future, step: Callable[[Any], Any]) -> Future:
+    """A future of `step(first's result)`: its value, or that of the future it returns.
+
+    `step` runs in the thread that answers `first` (the engine thread), so it
+    may post more work to the engine. Errors of `first`, of `step` and of a
+    future it returns reach the returned future; cancelling that one cancels
+    the future it waits on.
+
+    Args:
+        first: A future, e.g. of `EngineLoop.run`.
+        step: Called with `first`'s result.
+
+    Returns:
+        A `concurrent.futures.Future`.
+    """
+    result: Future = Future()
+    waited = [first]
+
+    def cancel_waited(done: Future) -> None:
+        if done.cancelled():
+            waited[-1].cancel()
+
+    def relay(done: Future) -> None:
+        if done.cancelled():
+            result.cancel()
+        elif done.exception() is not None:
+            _answer(result, error=done.exception())
+        else:
+            _answer(result, done.result())
+
+    def proceed(done: Future) -> None:
+        if done.cancelled() or done.exception() is not None:
+            relay(done)
+            return
+        try:
+            following = step(done.result())
+        except BaseException as exc:  # the caller gets it
+            _answer(result, error=exc)
+            return
+        if not isinstance(following, Future):
+            _answer(result, following)
+            return
+        waited.append(following)
+        following.add_done_callback(relay)
+        if result.cancelled():
+            following.cancel()
+
+    result.add_done_callback(cancel_waited)
+    first.add_done_callback(proceed)
+    return result
+
+
 def _exited(worker: Any) -> bool:
     """Whether a worker process has ended (its sentinel is ready before `is_alive` knows)."""
     return bool(multiprocessing.connection.wait([worker.sentinel], timeout=0))

@@ -6,7 +6,10 @@ too slow. Instead `GlobalLogprobsCapture` sits in the engine's sampler and
 records the log-softmax of every row it sees, tagged with the request the row
 belongs to. In vLLM's V1 model runner it is one of the sampler's logits
 processors; in the V2 model runner, which has no such list, the runner's
-sampler is wrapped (`CapturingSampler`). With one worker in this process the
+sampler is wrapped (`CapturingSampler`). A request may also ask for the rows
+at some of its prompt positions (`CHAIN_ROWS`: all prefixes of a sequence in
+one request); in the V1 model runner `PromptRowsHook` computes those from the
+step's hidden states. With one worker in this process the
 capture is read directly (`InProcessLogits`); with several worker processes
 each worker records and one sends the rows back through `collective_rpc`
 (`WorkerLogits`; tested for tensor parallelism through vLLM's multiprocessing
@@ -19,7 +22,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -33,6 +36,10 @@ INSTALL_HINT = (
 # and, optionally, the one capture that records it (`GlobalLogprobsCapture.capture_id`).
 CAPTURE_TAG = "genlm_capture_tag"
 CAPTURE_OWNER = "genlm_capture_owner"
+# Key of `SamplingParams.extra_args`: `[[position, tag], ...]`, the prompt positions whose
+# next-token rows are recorded under their tags (the row at position p is the distribution
+# after the prompt's first p + 1 tokens).
+CHAIN_ROWS = "genlm_chain_rows"
 _capture_ids = itertools.count()
 
 
@@ -142,6 +149,21 @@ class GlobalLogprobsCapture:
                 if row is not None:
                     self._rows_by_tag[tag] = (logprobs, row)
 
+    def record_tagged(self, logits: torch.Tensor, tags: Sequence[Hashable]) -> None:
+        """Record the log-softmax of `logits`, row i under tag `tags[i]` (prompt-position rows).
+
+        Unlike `record`, this leaves the latest batch (`get_all_logprobs`) as it was.
+
+        Args:
+            logits: A 2-D tensor, one row per tag.
+            tags: The capture tag of each row.
+        """
+        with torch.inference_mode(False):
+            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        with self._lock:
+            for row, tag in enumerate(tags):
+                self._rows_by_tag[tag] = (logprobs, row)
+
     def get_logprobs(self, batch_index: int = 0) -> torch.Tensor:
         """The recorded log-probabilities of one row of the latest batch.
 
@@ -172,7 +194,7 @@ class GlobalLogprobsCapture:
 
     def take(
         self, tags: Sequence[Hashable], strict: bool = True, compact: bool = False
-    ) -> list[torch.Tensor]:
+    ) -> list[torch.Tensor | None]:
         """Remove and return the rows recorded for the requests tagged `tags`.
 
         The rows are views of their step's log-softmax (which `get_all_logprobs`
@@ -180,13 +202,14 @@ class GlobalLogprobsCapture:
 
         Args:
             tags: Capture tags, as put in `SamplingParams.extra_args`.
-            strict: Raise if a tag has no row (else it is skipped).
+            strict: Raise if a tag has no row (else its entry is `None`).
             compact: When a step also holds rows of other requests, copy the
                 rows taken from it into a tensor of their own (one copy per step),
                 e.g. before they are sent to another process.
 
         Returns:
-            One 1-D tensor per tag found, in order.
+            One entry per tag, in order: a 1-D tensor, or `None` for a tag
+            without a row (only when not `strict`).
 
         Raises:
             RuntimeError: If `strict` and a tag has no recorded row, i.e. the
@@ -214,7 +237,7 @@ class GlobalLogprobsCapture:
             views = step.unbind(0)
             for position, index in zip(positions, indices, strict=True):
                 rows[position] = views[index]
-        return [row for row in rows if row is not None]
+        return rows
 
     def clear(self) -> None:
         """Forget every recorded row."""
@@ -242,29 +265,35 @@ class GlobalLogprobsCapture:
 # `worker_extension_cls`.
 
 
-def add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
+def add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> bool:
     """Make the model runner's sampler record into `capture`.
 
     V1 model runner: the persistent batch owns the processors the sampler
     applies (`input_batch.logitsprocs`); processors there are told about batch
     changes (`update_state`) and see every randomly sampled row (`apply`), so
-    `capture` is appended to the argmax-invariant ones. V2 model runner: its
-    `sampler` is wrapped in a `CapturingSampler`.
+    `capture` is appended to the argmax-invariant ones, and the runner's
+    prompt-logprobs step is wrapped in a `PromptRowsHook`. V2 model runner:
+    its `sampler` is wrapped in a `CapturingSampler`.
+
+    Returns:
+        Whether `capture` also records the prompt-position rows that requests
+        ask for with `CHAIN_ROWS`.
     """
     logitsprocs = getattr(getattr(model_runner, "input_batch", None), "logitsprocs", None)
     if logitsprocs is not None:
         if capture not in logitsprocs.argmax_invariant:
             logitsprocs.argmax_invariant.append(capture)
-        return
+        return PromptRowsHook.install(model_runner, capture)
     if not (hasattr(model_runner, "sampler") and hasattr(model_runner, "req_states")):
         raise RuntimeError(
             hook_error("the model runner has neither a logits-processor list nor a V2 sampler")
         )
     sampler = model_runner.sampler
     if sampler is None:  # not the last pipeline stage: it samples nothing
-        return
+        return False
     if not (isinstance(sampler, CapturingSampler) and sampler.capture is capture):
         model_runner.sampler = CapturingSampler(sampler, capture)
+    return False
 
 
 def remove_from_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> None:
@@ -273,6 +302,7 @@ def remove_from_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> No
     if logitsprocs is not None:
         if capture in logitsprocs.argmax_invariant:
             logitsprocs.argmax_invariant.remove(capture)
+        PromptRowsHook.remove(model_runner, capture)
         return
     outer, sampler = model_runner, getattr(model_runner, "sampler", None)
     while isinstance(sampler, CapturingSampler):
@@ -280,6 +310,111 @@ def remove_from_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> No
             outer.sampler = sampler.sampler  # unwrap: the runner, or the wrapper above
             return
         outer, sampler = sampler, sampler.sampler
+
+
+class PromptRowsHook:
+    """Wraps the V1 model runner's prompt-logprobs step: records the rows `CHAIN_ROWS` asks for.
+
+    The runner calls that step (`_get_prompt_logprobs_dict`) after every
+    forward pass with the hidden states of all the step's tokens, whether or
+    not a request asked for prompt log-probabilities. For each request of
+    the step whose `extra_args` carry `CHAIN_ROWS` (and name this capture as
+    owner, or no owner), the positions computed in this step (from the
+    request's computed tokens on, so a prompt split over steps is read chunk
+    by chunk) go through the model's output layer in one call, and their
+    log-softmax is recorded under their tags. LoRA weights of the output
+    layer are left out (see `_output_layer`): requests for adapters that
+    have some must not ask for prompt rows. Positions the engine took from
+    its prefix cache are not computed, so they get no row. Every
+    tensor-parallel worker makes the same call (the output layer gathers
+    across them); only those that receive the logits record them.
+
+    Args:
+        runner: The V1 model runner.
+        capture: Where rows are recorded.
+        inner: The step this one wraps (the runner's own, or another hook).
+    """
+
+    def __init__(self, runner: Any, capture: GlobalLogprobsCapture, inner: Any):
+        self.runner = runner
+        self.capture = capture
+        self.inner = inner
+        self.logits = _output_layer(runner)
+
+    @classmethod
+    def install(cls, runner: Any, capture: GlobalLogprobsCapture) -> bool:
+        """Wrap `runner`'s prompt-logprobs step for `capture` (once); whether it is wrapped."""
+        if not hasattr(runner, "_get_prompt_logprobs_dict"):
+            return False
+        step = runner._get_prompt_logprobs_dict
+        hook = step
+        while isinstance(hook, PromptRowsHook):
+            if hook.capture is capture:
+                return True
+            hook = hook.inner
+        runner._get_prompt_logprobs_dict = cls(runner, capture, step)
+        return True
+
+    @staticmethod
+    def remove(runner: Any, capture: GlobalLogprobsCapture) -> None:
+        """Unwrap the hook of `capture` from `runner` (hooks of other captures stay)."""
+        outer, hook = None, runner.__dict__.get("_get_prompt_logprobs_dict")
+        while isinstance(hook, PromptRowsHook):
+            if hook.capture is capture:
+                if outer is None:
+                    runner._get_prompt_logprobs_dict = hook.inner
+                else:
+                    outer.inner = hook.inner
+                return
+            outer, hook = hook, hook.inner
+
+    def __call__(self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> Any:
+        positions, tags = self._rows_asked(num_scheduled_tokens)
+        if positions:
+            index = torch.tensor(positions, device=hidden_states.device)
+            logits = self.logits(hidden_states.index_select(0, index))
+            if logits is not None:  # None: a worker the gathered logits do not reach
+                self.capture.record_tagged(logits, tags)
+        return self.inner(hidden_states, num_scheduled_tokens)
+
+    def _rows_asked(self, num_scheduled_tokens: dict[str, int]) -> tuple[list[int], list[Any]]:
+        """The step's hidden-state rows that requests ask for, and their tags."""
+        runner, positions, tags = self.runner, [], []
+        for request_id, count in num_scheduled_tokens.items():
+            state = runner.requests.get(request_id)
+            extra_args = getattr(getattr(state, "sampling_params", None), "extra_args", None)
+            if not extra_args or CHAIN_ROWS not in extra_args:
+                continue
+            if extra_args.get(CAPTURE_OWNER) not in (None, self.capture.capture_id):
+                continue
+            start = state.num_computed_tokens
+            slot = runner.input_batch.req_id_to_index[request_id]
+            offset = int(runner.query_start_loc.np[slot]) - start
+            for position, tag in extra_args[CHAIN_ROWS]:
+                if start <= position < start + count:
+                    positions.append(offset + position)
+                    tags.append(tag)
+        return positions, tags
+
+
+def _output_layer(runner: Any) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """The model's logits from hidden states, without LoRA weights of its output layer.
+
+    With LoRA enabled vLLM wraps the output layer in `LogitsProcessorWithLoRA`,
+    whose LoRA term is laid out for the step's sampled rows only; the layer it
+    wraps computes the same logits for any rows, without that term (exact for
+    adapters that leave the output layer alone).
+    """
+    try:
+        from vllm.lora.layers import LogitsProcessorWithLoRA
+    except ImportError:
+        return runner.model.compute_logits
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    processor = getattr(model, "logits_processor", None)
+    if not isinstance(processor, LogitsProcessorWithLoRA):
+        return runner.model.compute_logits
+    head = getattr(model.lm_head, "base_layer", model.lm_head)
+    return lambda hidden_states: processor.base_layer(head, hidden_states)
 
 
 class CapturingSampler:
@@ -332,44 +467,64 @@ class LogprobsWorkerExtension:
     untested: vLLM's CPU build fails at it on its own).
     """
 
-    def genlm_install_capture(self) -> int:
-        """Install this worker's capture; returns the worker's process id."""
+    def genlm_install_capture(self) -> tuple[int, bool]:
+        """Install this worker's capture.
+
+        Returns:
+            The worker's process id, and whether it records prompt-position rows.
+        """
         if getattr(self, "_genlm_capture", None) is None:
             self._genlm_capture = GlobalLogprobsCapture()
-            add_to_sampler(self.model_runner, self._genlm_capture)
-        return os.getpid()
+            self._genlm_prompt_rows = add_to_sampler(self.model_runner, self._genlm_capture)
+        return os.getpid(), self._genlm_prompt_rows
 
     def genlm_take_logprobs(
         self, tags: list[Hashable], discard: bool = False
     ) -> list[torch.Tensor] | None:
         """Remove the rows recorded for `tags`; the replying worker returns them.
 
-        Other workers, and every worker when `discard`, return `None`.
+        Other workers, and every worker when `discard`, return `None`. A tag
+        without a row gets `None` (the caller decides whether that is an error).
         """
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         replies = get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
-        rows = self._genlm_capture.take(tags, strict=replies and not discard, compact=True)
+        rows = self._genlm_capture.take(tags, strict=False, compact=True)
         return rows if replies and not discard else None
 
 
 class InProcessLogits:
-    """The capture sits in this process's sampler: rows are read directly."""
+    """The capture sits in this process's sampler: rows are read directly.
+
+    Attributes:
+        capture: The capture.
+        owner: The capture that records this source's requests (its `capture_id`).
+        reads_prompt_rows: Whether requests may ask for prompt-position rows (`CHAIN_ROWS`).
+    """
 
     def __init__(self, llm: Any, capture: GlobalLogprobsCapture):
         self.capture = capture
-        self.owner: int | None = capture.capture_id  # the capture that records our requests
-        llm.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, capture))
+        self.owner: int | None = capture.capture_id
+        installed = llm.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, capture))
+        self.reads_prompt_rows = all(installed)
 
-    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
-        return self.capture.take(tags, strict=not discard)
+    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor | None]:
+        """Remove the rows of `tags`; `None` for a tag without one (`[]` when `discard`)."""
+        rows = self.capture.take(tags, strict=False)
+        return [] if discard else rows
 
     def model(self, llm: Any) -> torch.nn.Module:
         return llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0]
 
 
 class WorkerLogits:
-    """Captures sit in worker processes: rows come back through `collective_rpc`."""
+    """Captures sit in worker processes: rows come back through `collective_rpc`.
+
+    Attributes:
+        owner: `None`: each worker has one capture, which records every request.
+        worker_pids: The workers' process ids.
+        reads_prompt_rows: Whether requests may ask for prompt-position rows (`CHAIN_ROWS`).
+    """
 
     def __init__(self, llm: Any):
         extension = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls
@@ -379,10 +534,13 @@ class WorkerLogits:
                 f"worker_extension_cls={EXTENSION!r} (AsyncVirtualLM.from_name does)"
             )
         self.llm = llm
-        self.owner: int | None = None  # each worker has one capture, which records them all
-        self.worker_pids = llm.collective_rpc("genlm_install_capture")
+        self.owner: int | None = None
+        replies = llm.collective_rpc("genlm_install_capture")
+        self.worker_pids = [pid for pid, _ in replies]
+        self.reads_prompt_rows = all(prompt_rows for _, prompt_rows in replies)
 
-    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor]:
+    def take(self, tags: list[Hashable], discard: bool = False) -> list[torch.Tensor | None]:
+        """Remove the rows of `tags`; `None` for a tag without one (`[]` when `discard`)."""
         replies = self.llm.collective_rpc("genlm_take_logprobs", args=(tags, discard))
         if discard:
             return []

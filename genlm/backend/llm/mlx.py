@@ -40,12 +40,11 @@ import torch
 
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
-from genlm.backend.llm.base import AsyncLM, check_token_ids
+from genlm.backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM, check_token_ids
 from genlm.backend.llm.hf_batch import KVWorkspace
 from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2  # as `AsyncTransformer`'s
 # Padding new tokens a sub-batch may add per real one (`sub_batches`), beyond the few it
 # always may: MLX's CPU build computes padding at full cost, through every layer.
 _PADDING = 0.0

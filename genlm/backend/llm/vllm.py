@@ -5,7 +5,9 @@ prompt with an entry per requested token: for the whole vocabulary that is far
 too slow. Instead a logits processor, `GlobalLogprobsCapture`, sits in the
 engine's sampler and records the log-softmax of every row it sees, tagged with
 the request the row belongs to. A query is then a request with
-`max_tokens=1` whose sampled token is ignored.
+`max_tokens=1` whose sampled token is ignored; queries that are prefixes of a
+longer one share its request, their rows read at prompt positions (see
+`vllm_requests`).
 
 Requests go into an engine that runs continuously on a thread of its own
 (`vllm_engine.EngineLoop`): those that arrive while it works join its next

@@ -209,6 +209,73 @@ async def test_resampled_rows_are_rebuilt_in_place_whatever_the_ancestors(lm, an
             assert_exact(lm, context, result)
 
 
+@pytest.mark.parametrize(
+    ("ancestors", "n_new"),
+    [([0, 1, 2, 3], 48), ([0, 0, 1, 2, 3, 3], 1), ([2] * 6, 1), ([3, 1, 1, 0, 2, 2], 1)],
+    ids=["more-slots", "more-rows", "one-ancestor", "unsorted"],
+)
+async def test_a_step_that_outgrows_the_buffer_copies_its_rows_into_a_new_one(
+    lm, monkeypatch, ancestors, n_new
+):
+    # More rows, or more tokens than the buffer's spare slots: the step's rows are copied
+    # from the last batch's buffer into the other storage, not gathered from the tree.
+    from genlm.backend.llm.hf_batch import BatchKV
+
+    prompt = random_ids(22, 8)
+    particles = [prompt + [i] for i in range(4)]
+    await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+    gathers = []
+    original = BatchKV._gather
+    monkeypatch.setattr(
+        BatchKV, "_gather", lambda self, buffer: gathers.append(1) or original(self, buffer)
+    )
+    step = [particles[a] + random_ids(23 + i, n_new) for i, a in enumerate(ancestors)]
+    results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in step))
+    assert gathers == []
+    for context, result in zip(step, results, strict=True):
+        assert_exact(lm, context, result)
+
+
+async def test_a_sampler_and_a_critic_that_alternate_both_continue_in_place(lm, monkeypatch):
+    # A sampler's step and an LLM critic's call (every prefix of each particle under its own
+    # prompt, all but the newest cached) alternate, each extending its previous batch by one
+    # token. Both batches stay in the workspace: once each has run, no batch gathers its
+    # rows from the tree or inserts rows into it.
+    from genlm.backend.llm.hf_batch import BatchKV
+
+    gathers, inserts = [], []
+    original_gather, original_insert = BatchKV._gather, lm.kv_cache.insert
+    monkeypatch.setattr(
+        BatchKV, "_gather", lambda self, buffer: gathers.append(1) or original_gather(self, buffer)
+    )
+    monkeypatch.setattr(
+        lm.kv_cache, "insert", lambda *args: inserts.append(1) or original_insert(*args)
+    )
+    generator = torch.Generator().manual_seed(24)
+    prompt, critic_prompt = random_ids(25, 10), random_ids(26, 6)
+    particles = [prompt + [i] for i in range(4)]
+    for step in range(7):
+        if step == 3:  # the critic's batch grows from one row at step 1: it takes the
+            gathers.clear()  # sampler's storage, and the sampler's step 2 runs from the tree
+            inserts.clear()
+        rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+        tokens = [p[len(prompt) :] for p in particles]
+        prefixes = [critic_prompt + t[:n] for t in tokens for n in range(len(t))]
+        scores = await lm.batch_next_token_logprobs(prefixes)
+        for context, result in zip(particles + prefixes, [*rows, *scores], strict=True):
+            assert_exact(lm, context, result)
+        for particle in particles:
+            particle.append(int(torch.randint(0, VOCAB, (1,), generator=generator)))
+    assert gathers == [] and inserts == []
+    # A batch that continues neither runs from the tree, which holds both batches' rows.
+    other = [random_ids(27, 5), random_ids(28, 7)]
+    assert_exact(lm, other[0], (await lm.batch_next_token_logprobs(other))[0])
+    assert all(lm.kv_cache.match(p).length == len(p) - 1 for p in particles)
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+    for context, result in zip(particles, rows, strict=True):
+        assert_exact(lm, context, result)
+
+
 async def test_a_step_that_fails_mid_pass_leaves_the_last_batch_usable(lm):
     # The failure comes after the new buffer was taken (the output layer runs last);
     # retrying the resampled step must not build the buffer over the one it copies from.

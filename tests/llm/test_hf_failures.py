@@ -246,13 +246,15 @@ async def test_out_of_memory_in_the_first_pass_is_retried_in_halves(lm, caplog):
     prompt = random_ids(10, 12)
     lm.cache_kv(prompt)
     contexts = [prompt + random_ids(11 + i, 3) for i in range(6)]
-    passes = Passes(lm, failing={1})
+    # The first pass continues the prompt's batch (`cache_kv` keeps it); out of memory,
+    # it reruns from the tree, and out of memory again, in halves.
+    passes = Passes(lm, failing={1, 2})
     try:
         with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf_forward"):
             rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     finally:
         passes.close()
-    assert passes.failed == [1] and passes.shapes == [(6, 3), (3, 3), (3, 3)]
+    assert passes.failed == [1, 2] and passes.shapes == [(6, 3), (6, 3), (3, 3), (3, 3)]
     assert_exact(lm, contexts, rows)
     warnings = [r for r in caplog.records if "ran out of memory" in r.getMessage()]
     assert len(warnings) == 1 and "max_batch_bytes=" in warnings[0].getMessage()

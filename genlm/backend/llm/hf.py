@@ -427,7 +427,7 @@ class AsyncTransformer(AsyncLM):
         self._batcher.reset()
 
     def clear_cache(self) -> None:
-        """Drop every cached result and key/value, and the batches' reusable buffer."""
+        """Drop every cached result and key/value, and the batches' reusable buffers."""
         self.output_cache.clear()
         self.kv_cache.clear()
         self._passes.release()
@@ -435,7 +435,7 @@ class AsyncTransformer(AsyncLM):
     def clear_kv_cache(self) -> None:
         """Drop every cached key/value (cached results stay)."""
         self.kv_cache.clear()
-        self._passes.forget_last_batch()
+        self._passes.forget_batches()
 
     def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Load a peft LoRA adapter under `lora_name` (it is not activated).
@@ -504,7 +504,7 @@ class AsyncTransformer(AsyncLM):
     def _forget_adapter(self, adapter: str) -> None:
         self.output_cache.remove_if(lambda key: key[0] == adapter)
         self.kv_cache.drop(adapter)
-        self._passes.forget_last_batch()
+        self._passes.forget_batches()
 
     def _queries(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None

@@ -4,13 +4,14 @@ A batch's cached prefixes are laid out in one buffer `[layers, 2, rows,
 kv_heads, slots, head_dim]`, right-padded to the longest prefix, followed by
 slots for the new tokens, which the model writes in place (`BatchLayer`, a
 transformers cache layer). `KVWorkspace` keeps the memory between batches and
-lets a batch that extends the previous one start from its buffer.
+lets a batch that extends a recent one start from its buffer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ class BatchKV:
         n_new: Slots for the new tokens.
         n_layers: Layers of the model.
         workspace: Where the storage comes from.
-        previous: The last batch's storage and, for each row, the row of it
+        previous: A remembered batch's storage and, for each row, the row of it
             that holds this row's whole prefix (from `KVWorkspace.extension`;
             in increasing order), or `None` to gather the prefixes from `segments`.
     """
@@ -87,6 +88,7 @@ class BatchKV:
             like.device,
         ):
             return None
+        past = self.past_length
         if len(sources) <= old.shape[2] and old.shape[-2] >= shape[-2]:
             # In place: the new tokens go into spare slots, and only rows whose source is
             # another row are copied. Sources are sorted, so rows reading a later row go
@@ -94,47 +96,85 @@ class BatchKV:
             # order: no row is overwritten before every row reading it has.
             moved = [row for row, source in enumerate(sources) if source > row]
             moved += [row for row, source in reversed(list(enumerate(sources))) if source < row]
-            if moved:  # the last batch's rows change: a retry after a failure must not use them
-                self.workspace.forget()
+            if moved:  # the batch's rows change: a retry after a failure must not use them
+                self.workspace.forget(old)
             for row in moved:
-                old[:, :, row, :, : self.past_length].copy_(
-                    old[:, :, sources[row], :, : self.past_length]
-                )
+                old[:, :, row, :, :past].copy_(old[:, :, sources[row], :, :past])
             return old.narrow(2, 0, len(sources))
-        storage = self.workspace.take(shape, like)
-        for row, source in enumerate(sources):
-            storage[:, :, row, :, : self.past_length].copy_(
-                old[:, :, source, :, : self.past_length]
-            )
+        storage = self.workspace.take(shape, like, avoid=old)
+        target = storage[:, :, : len(sources), :, :past]
+        if sources == list(range(sources[0], sources[0] + len(sources))):
+            target.copy_(old[:, :, sources[0] : sources[0] + len(sources), :, :past])
+        elif sources == [sources[0]] * len(sources):
+            target.copy_(old[:, :, sources[0] : sources[0] + 1, :, :past].expand_as(target))
+        else:
+            index = torch.tensor(sources, pin_memory=old.is_cuda)
+            index = index.to(old.device, non_blocking=True)
+            torch.index_select(old[:, :, :, :, :past], 2, index, out=target)
         return storage
 
     def _gather(self, buffer: torch.Tensor) -> None:
-        """Copy every row's cached segments into its slots; zero the padding."""
-        # Consecutive rows that share a cached segment (the prompt, say) get it in one copy.
-        runs: dict[tuple[int, int, int], list] = {}  # (slot, address, length) -> [rows, segment]
+        """Copy every row's cached segments into its slots; zero the padding.
+
+        Consecutive rows with a segment at the same slots and of the same length
+        get them in one copy (one operation, whether they share that segment,
+        as a prompt, or each has its own).
+        """
+        runs: dict[tuple[int, int], tuple[int, list]] = {}  # (slot, length) -> first row, segments
+        padding: list[list[int]] = []  # [first row, last row, slot]: rows padded from one slot
         for row, segments in enumerate(self.segments):
             offset = 0
             for segment in segments:
-                length = segment.shape[-2]
-                key = (offset, segment.data_ptr(), length)
+                key = (offset, segment.shape[-2])
                 run = runs.get(key)
-                if run is not None and run[0].stop == row:
-                    run[0] = range(run[0].start, row + 1)
-                else:
+                if run is None or run[0] + len(run[1]) != row:
                     if run is not None:
-                        self._fill(buffer, key[0], *run)
-                    runs[key] = [range(row, row + 1), segment]
-                offset += length
+                        self._fill(buffer, offset, *run)
+                    run = runs[key] = (row, [])
+                run[1].append(segment)
+                offset += segment.shape[-2]
             # Masked slots must still hold finite numbers: attention multiplies them by 0.
             if offset < self.past_length:  # an empty fill is still one dispatched operation
-                buffer[:, :, row, :, offset : self.past_length].zero_()
-        for (offset, _, _), run in runs.items():
+                if padding and padding[-1][1:] == [row - 1, offset]:
+                    padding[-1][1] = row
+                else:
+                    padding.append([row, row, offset])
+        for (offset, _), run in runs.items():
             self._fill(buffer, offset, *run)
+        for first, last, offset in padding:
+            buffer[:, :, first : last + 1, :, offset : self.past_length].zero_()
 
     @staticmethod
-    def _fill(buffer: torch.Tensor, offset: int, rows: range, segment: torch.Tensor) -> None:
-        target = buffer[:, :, rows.start : rows.stop, :, offset : offset + segment.shape[-2]]
-        target.copy_(segment.unsqueeze(2).expand_as(target))
+    def _fill(buffer: torch.Tensor, offset: int, first: int, segments: list) -> None:
+        """Copy `segments` into consecutive rows from `first`, at slots from `offset`."""
+        one = segments[0]
+        target = buffer[:, :, first : first + len(segments), :, offset : offset + one.shape[-2]]
+        if all(
+            segment.data_ptr() == one.data_ptr() and segment.stride() == one.stride()
+            for segment in segments
+        ):
+            target.copy_(one.unsqueeze(2).expand_as(target))
+        else:
+            torch.stack(segments, dim=2, out=target)
+
+
+@dataclass(eq=False)
+class RememberedBatch:
+    """A batch without padding whose buffer is kept, so that a following batch may continue it.
+
+    Attributes:
+        adapter: The adapter its rows were computed under.
+        rows: The row of the buffer holding each context.
+        length: The length of every context.
+        storage: The buffer's storage (for the MLX backend: its layer caches).
+        in_tree: Every row's key/values are in the prefix tree too.
+    """
+
+    adapter: Hashable
+    rows: dict[tuple[int, ...], int]
+    length: int
+    storage: Any
+    in_tree: bool = False
 
 
 class KVWorkspace:
@@ -142,37 +182,65 @@ class KVWorkspace:
 
     A fresh buffer per batch would be mapped and page-faulted anew at every
     step, which costs about as much as filling it. Two storages are kept (each
-    the largest so far, with spare slots) and batches alternate between them,
-    so that a batch can be built from the last one's buffer: `remember` keeps
-    the last unpadded batch's storage and contexts; `extension` and `recall`
-    tell the next batch which of its rows hold the whole prefix of each new
-    row. The transformers backend inserts a remembered batch's rows into its
-    tree only once a batch does not continue them; the MLX backend has
-    inserted them already.
+    the largest so far, with spare slots) and batches take turns in them, so
+    that a batch can be built from an earlier one's buffer: `remember` keeps an
+    unpadded batch's storage and contexts (up to `batches` of them, the most
+    recent, each in its own storage); `extension` and `recall` tell the next
+    batch which of a remembered batch's rows holds the whole prefix of each of
+    its rows. With `batches=2` a sampler's batch and a critic's, which
+    alternate, both continue in place.
+
+    The transformers backend inserts a remembered batch's rows into its tree
+    only once no batch continues them: `spill` is called with a remembered
+    batch before its memory is reused or it is dropped to make room for a
+    newer one. The MLX backend has inserted them already.
+
+    Args:
+        batches: Most batches remembered at once (at most 2: one per storage,
+            unless the storages are not the workspace's, as MLX's).
+        spill: Called with a remembered batch before it is forgotten for want
+            of room (not when `forget` or `release` is called).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, batches: int = 1, spill: Callable[[RememberedBatch], None] | None = None
+    ) -> None:
         self._flats: list[torch.Tensor | None] = [None, None]
-        self._current = 0
-        self._last: tuple[Hashable, dict[tuple[int, ...], int], int, Any] | None = None
+        self._taken = 1  # the storage taken last
+        self._batches = batches
+        self._spill = spill
+        self.remembered: list[RememberedBatch] = []  # oldest first
 
-    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    def take(
+        self, shape: tuple[int, ...], like: torch.Tensor, avoid: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A storage for a buffer of `shape` with spare slots (dimension -2).
 
-        Never the remembered batch's memory (which the new buffer may be built from).
+        Never the memory of `avoid` (the buffer the new one is built from). The
+        storage holding no remembered batch is preferred, then the one not
+        taken last; a remembered batch in the storage taken is spilled first.
         """
-        held = self._flat_holding_last()
-        self._current = 1 - (self._current if held is None else held)
+
+        def rank(index: int) -> tuple[int, bool]:
+            held = [
+                k for k, batch in enumerate(self.remembered) if self._holds(index, batch.storage)
+            ]
+            return (held[-1] + 1 if held else 0), index == self._taken
+
+        index = min((i for i in (0, 1) if avoid is None or not self._holds(i, avoid)), key=rank)
+        for batch in [batch for batch in self.remembered if self._holds(index, batch.storage)]:
+            self._drop(batch)
+        self._taken = index
         per_slot = math.prod(shape) // shape[-2]
-        flat = self._flats[self._current]
+        flat = self._flats[index]
         if (
             flat is None
             or flat.numel() < math.prod(shape)
             or (flat.dtype, flat.device) != (like.dtype, like.device)
         ):
-            self._flats[self._current] = None  # free the old storage before allocating anew
+            self._flats[index] = None  # free the old storage before allocating anew
             slots = self.storage_slots(shape[-2])
-            flat = self._flats[self._current] = like.new_empty(per_slot * slots)
+            flat = self._flats[index] = like.new_empty(per_slot * slots)
         slots = flat.numel() // per_slot
         return flat[: per_slot * slots].view(*shape[:-2], slots, shape[-1])
 
@@ -181,68 +249,88 @@ class KVWorkspace:
         """Token slots of a new storage for a buffer of `slots`: room for the next steps."""
         return slots + slots // 4 + _SPARE_SLOTS
 
-    def remember(
-        self, adapter: Hashable, contexts: list[tuple[int, ...]], storage: torch.Tensor
-    ) -> None:
-        """Keep `storage` of a batch without padding, whose rows hold all of `contexts`."""
-        rows = {context: row for row, context in enumerate(contexts)}
-        self._last = (adapter, rows, len(contexts[0]), storage)
+    def remember(self, adapter: Hashable, contexts: list[tuple[int, ...]], storage: Any) -> None:
+        """Keep `storage` of a batch without padding, whose rows hold all of `contexts`.
 
-    @property
-    def last(self) -> tuple[Hashable, dict[tuple[int, ...], int], int, Any] | None:
-        """The remembered batch: adapter, row of each context, context length, storage."""
-        return self._last
+        A remembered batch whose memory `storage` shares is forgotten (the new
+        batch overwrote it), and the oldest is spilled when more than `batches` are kept.
+        """
+        rows = {context: row for row, context in enumerate(contexts)}
+        self.remembered = [
+            batch for batch in self.remembered if not _same_memory(batch.storage, storage)
+        ]
+        self.remembered.append(RememberedBatch(adapter, rows, len(contexts[0]), storage))
+        while len(self.remembered) > self._batches:
+            self._drop(self.remembered[0])
 
     def extension(
         self, adapter: Hashable, contexts: list[tuple[int, ...]]
-    ) -> tuple[Any, list[int], int] | None:
-        """The last storage, the row of it each context extends, and that row's length.
+    ) -> tuple[RememberedBatch, list[int]] | None:
+        """A remembered batch and the row of it each context extends.
 
-        `None` unless every context is a context of the last batch (of the same
-        adapter) followed by at least one token. Nothing is forgotten.
+        `None` unless every context is a context of one remembered batch (of
+        the same adapter) followed by at least one token; the most recent such
+        batch is returned. Nothing is forgotten.
         """
-        last = self._last
-        if last is None or last[0] != adapter:
-            return None
-        _, rows, length, storage = last
-        sources = [
-            rows.get(context[:length]) if len(context) > length else None for context in contexts
-        ]
-        return None if None in sources else (storage, sources, length)
+        for batch in reversed(self.remembered):
+            if batch.adapter != adapter:
+                continue
+            sources = [
+                batch.rows.get(context[: batch.length]) if len(context) > batch.length else None
+                for context in contexts
+            ]
+            if None not in sources:
+                return batch, sources
+        return None
 
     def recall(
         self, adapter: Hashable, contexts: list[tuple[int, ...]], past_lengths: list[int]
     ) -> tuple[Any, list[int]] | None:
-        """The last storage and, per context, its row holding the context's past.
+        """A remembered storage and, per context, its row holding the context's past.
 
-        `None` unless every context's past is exactly a context of the last batch
-        (of the same adapter). The last batch is forgotten either way: the new
-        batch may overwrite its storage.
+        `None` unless every context's past is exactly a context of a remembered
+        batch (of the same adapter). Every batch is forgotten either way: the new
+        batch may overwrite their storages.
         """
         found = self.extension(adapter, contexts)
-        self._last = None
-        if found is None or any(past != found[2] for past in past_lengths):
+        self.remembered = []
+        if found is None or any(past != found[0].length for past in past_lengths):
             return None
-        return found[0], found[1]
+        return found[0].storage, found[1]
 
-    def _flat_holding_last(self) -> int | None:
-        """Which of the two storages holds the remembered batch (`None`: neither)."""
-        if self._last is None or not isinstance(self._last[3], torch.Tensor):
-            return None
-        address = self._last[3].untyped_storage().data_ptr()
-        for index, flat in enumerate(self._flats):
-            if flat is not None and flat.untyped_storage().data_ptr() == address:
-                return index
-        return None
+    def forget(self, storage: Any = None) -> None:
+        """Drop the record of the batch remembered in `storage` (`None`: of every batch).
 
-    def forget(self) -> None:
-        """Drop the last batch's record (its storage stays for reuse)."""
-        self._last = None
+        The memory stays for reuse; the rows are not spilled.
+        """
+        self.remembered = [
+            batch
+            for batch in self.remembered
+            if storage is not None and batch.storage is not storage
+        ]
 
     def release(self) -> None:
-        """Free both storages."""
+        """Free both storages and forget every batch."""
         self._flats = [None, None]
-        self._last = None
+        self.remembered = []
+
+    def _holds(self, index: int, storage: Any) -> bool:
+        """Whether storage `index` holds `storage` (a view of it)."""
+        return _same_memory(self._flats[index], storage)
+
+    def _drop(self, batch: RememberedBatch) -> None:
+        self.remembered.remove(batch)
+        if self._spill is not None:
+            self._spill(batch)
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are tensors viewing the same memory."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 class BatchLayer(DynamicLayer):

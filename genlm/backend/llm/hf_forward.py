@@ -16,15 +16,19 @@ pass:
 3. The model writes the new tokens' keys/values in place into that buffer
    (`hf_batch.BatchLayer`); the logits at the positions the row's queries
    end at become their results, copied into the `OutputCache` in one operation.
-4. A batch without padding keeps its buffer for the next one (`KVWorkspace`
-   in `hf_batch`); other batches insert their new key/values into the tree.
+4. A batch without padding keeps its buffer for the next ones (`KVWorkspace`
+   in `hf_batch` remembers the two most recent, one per storage); other
+   batches insert their new key/values into the tree.
 
-A sampler's next step extends every row of the batch before by the same number
-of tokens: it runs in the previous buffer (the new tokens go into spare slots;
-after resampling, a row whose ancestor is another row gets one copy of it)
-without touching the tree.
-Rows no batch continues are inserted into the tree (`spill`), so the tree
-holds every evaluated context except those of the last batch.
+A sampler's next step extends every row of one remembered batch by the same
+number of tokens: it runs in that batch's buffer (the new tokens go into spare
+slots; after resampling, a row whose ancestor is another row gets one copy of
+it) without touching the tree. Two such sequences of batches that alternate
+(a sampler's and an LLM critic's) both continue in place.
+Rows no batch continues are inserted into the tree: those a continuing batch
+drops, and a remembered batch's rows before its storage is reused; a batch
+that runs from the tree first inserts every remembered batch's rows (`spill`),
+so the tree then holds every evaluated context.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import LoraRegistry
-from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace
+from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace, RememberedBatch
 from genlm.backend.llm.hf_query import Query
 from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
@@ -98,7 +102,7 @@ class ForwardPasses:
             config, self._n_layers, embeddings.weight.element_size()
         )
         self.max_batch_bytes = max_batch_bytes
-        self._workspace = KVWorkspace()
+        self._workspace = KVWorkspace(batches=2, spill=self._insert)
         self._warned_out_of_memory = False
 
     @property
@@ -148,8 +152,8 @@ class ForwardPasses:
                 f"{self.max_batch_bytes}): raise max_batch_bytes"
             )
 
-    def forget_last_batch(self) -> None:
-        """Forget the last batch's buffer (its rows are recomputed or found in the tree)."""
+    def forget_batches(self) -> None:
+        """Forget the remembered batches (their rows are recomputed or found in the tree)."""
         self._workspace.forget()
 
     def release(self) -> None:
@@ -191,7 +195,7 @@ class ForwardPasses:
             return [self._loras.removed_error(adapter)] * len(queries)
         answers: list[torch.Tensor | Exception | None] = [None] * len(queries)
         try:
-            chunks = self._continue_last(adapter, queries)
+            chunks = self._continue_remembered(adapter, queries)
             if chunks is None:
                 self.spill()
                 chunks = self._evaluate_from_tree(adapter, queries, answers)
@@ -203,27 +207,28 @@ class ForwardPasses:
                 answers[k] = row  # a view of this pass's own tensor
         return answers
 
-    def _continue_last(self, adapter: str | None, queries: list[Query]) -> list[Chunk] | None:
-        """Run `queries` in the last batch's buffer if each extends one of its rows equally.
+    def _continue_remembered(self, adapter: str | None, queries: list[Query]) -> list[Chunk] | None:
+        """Run `queries` in a remembered batch's buffer if each extends one of its rows equally.
 
         This is a sampler's step: no tree lookup, and the buffer's rows join the
-        tree only when a batch does not continue them (`spill`). Returns the
-        results and the query of each row, or `None` when the queries do not fit
-        (or ran out of memory: the last batch's rows then join the tree, and the
-        step runs from there in smaller passes).
+        tree only when no batch continues them. Returns the results and the
+        query of each row, or `None` when the queries do not fit (or ran out of
+        memory: the remembered rows then join the tree, and the step runs from
+        there, in halves if it runs out of memory again).
         """
         contexts = [query.token_ids for query in queries]
         found = self._workspace.extension(adapter, contexts)
         if found is None:
             return None
-        storage, sources, length = found
+        batch, sources = found
+        length = batch.length
         n_new = len(contexts[0]) - length
         if any(len(context) - length != n_new for context in contexts):
             return None
         needed = self.working_set(len(contexts), length + n_new, n_new, len(contexts))
         if needed > self.batch_limit():
             return None  # too big for one batch: sub-batches from the tree instead
-        self.spill(keep=set(sources))  # the rows no query continues
+        self._insert(batch, keep=set(sources))  # the rows no query continues
         order = sorted(range(len(queries)), key=sources.__getitem__)
         try:
             rows, _ = self._run(
@@ -231,7 +236,7 @@ class ForwardPasses:
                 [contexts[i] for i in order],
                 [length] * len(queries),
                 None,
-                (storage, [sources[i] for i in order]),
+                (batch.storage, [sources[i] for i in order]),
             )
         except Exception as error:
             if not is_out_of_memory(error):
@@ -241,6 +246,7 @@ class ForwardPasses:
             # workspace then forgot them, and they are recomputed from the tree).
             self.spill()
             return None
+        self._workspace.forget(batch.storage)  # continued (in its memory: forgotten already)
         return [(rows, order)]
 
     def _evaluate_from_tree(
@@ -462,20 +468,23 @@ class ForwardPasses:
             needed,
         )
 
-    def spill(self, keep: AbstractSet[int] = frozenset()) -> None:
-        """Insert the last batch's rows (but those in `keep`) into the tree.
+    def spill(self) -> None:
+        """Insert every remembered batch's rows into the tree.
 
-        The batch is forgotten when nothing is kept.
+        The batches stay remembered: the next batch may still continue one in place.
         """
-        last = self._workspace.last
-        if last is None:
+        for batch in self._workspace.remembered:
+            self._insert(batch)
+
+    def _insert(self, batch: RememberedBatch, keep: AbstractSet[int] = frozenset()) -> None:
+        """Insert a remembered batch's rows (but those in `keep`) into the tree."""
+        if batch.in_tree:
             return
-        adapter, rows, length, storage = last
-        for context, row in rows.items():
+        for context, row in batch.rows.items():
             if row not in keep:
-                self._kv_cache.insert(context, 0, storage[:, :, row, :, :length], adapter)
-        if not keep:
-            self._workspace.forget()
+                key_values = batch.storage[:, :, row, :, : batch.length]
+                self._kv_cache.insert(context, 0, key_values, batch.adapter)
+        batch.in_tree = not keep
 
     def _row_past(self, adapter: str | None, row: Row, queries: list[Query]) -> PrefixMatch:
         """The longest cached prefix a row may start from: it runs its first read's last token."""
@@ -541,7 +550,8 @@ class ForwardPasses:
             contexts: The rows' token ids.
             past_list: Tokens of each row whose key/values are at hand.
             segments: Those key/values, as tree segments (`None` with `previous`).
-            previous: The last batch's storage and each row's source row in it.
+            previous: The storage the rows' pasts are in (a remembered batch's, or the
+                segment's before) and each row's source row in it.
             reads: For each row, the lengths of its prefixes whose next-token rows
                 are read (each past the row's past); `None`: each row's whole context.
             only_batch: No other pass runs before the next batch: an unpadded

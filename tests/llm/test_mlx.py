@@ -181,12 +181,13 @@ async def test_nested_and_shared_contexts_cost_their_distinct_new_tokens(lm, pla
             assert_close(row, mlx_reference(plain, context))
 
 
-async def test_prefixes_inside_a_cached_prompt_run_apart_from_the_longer_rows(lm, plain):
+async def test_prefixes_inside_a_cached_prompt_recompute_it_as_a_cold_batch_would(lm, plain):
     # Every prefix of three sequences that extend a 50-token prompt, 30 tokens of it cached:
-    # the prefixes ending inside the cached part run one token each, in a sub-batch of their
-    # own (not padded to the 20 uncached prompt tokens, as one pass did), and the output
-    # projection runs once per pass, only at the 139 positions read (prompt[:30]'s result is
-    # cached).
+    # the 29 prefixes ending inside the cached part would cost more as one-token rows of their
+    # own than the 30 tokens recomputed (`_ALONE_COST`), so the prompt runs as one 50-token
+    # row, as it does cold (one pass padding them to the 20 uncached tokens took 4x cold). The
+    # output projection runs once per pass, only at the 139 positions read (prompt[:30]'s
+    # result is cached).
     prompt = random_ids(70, 50)
     sequences = [prompt + random_ids(71 + i, 30) for i in range(3)]
     lm.cache_kv(prompt[:30])
@@ -198,9 +199,7 @@ async def test_prefixes_inside_a_cached_prompt_run_apart_from_the_longer_rows(lm
     finally:
         body.close()
         head.close()
-    # The 29 shorter prefixes, the 20 uncached prompt tokens (last, so that the three rests
-    # continue in its arrays), the rests: no padding (one pass: 30 x 20 slots for 49 tokens).
-    assert body.shapes == [(29, 1), (1, 20), (3, 30)]
+    assert body.shapes == [(1, 50), (3, 30)]
     assert head.shapes == [(49, 128), (90, 128)]
     for i, sequence in enumerate(sequences):
         assert_close(rows[80 * i : 80 * (i + 1)], mlx_reference_rows(plain, sequence))

@@ -84,6 +84,43 @@ def test_a_prefix_inside_the_cached_part_of_its_row_runs_alone():
     assert rows == {prompt[:3]: [3], prompt[:12]: [12], prompt + (5, 6): [32]}
 
 
+def test_prefixes_of_a_cached_prompt_recompute_it_where_rows_of_their_own_cost_more():
+    prompt = tuple(range(50))
+    contexts = [prompt[:n] for n in range(1, 51)] + [prompt + (7, 8)]
+    cached = set(prefixes(prompt[:30]))  # cache_kv(prompt[:30])
+    # Rows of their own: 30 one-token rows and the row from its cached 30 tokens.
+    passes = plan_passes(contexts, lambda c: 30 if len(c) >= 30 else len(c))
+    assert len(passes[0]) == 31
+    assert run(passes, set(cached)) == (52, dict(enumerate(contexts)))
+    # At two tokens a row of its own, the row recomputes the prompt instead.
+    passes = plan_passes(contexts, lambda c: 30 if len(c) >= 30 else len(c), alone_cost=2.0)
+    assert [[(row.context, row.reads) for row in rows] for rows in passes] == [
+        [(prompt + (7, 8), [*range(1, 51), 52])]
+    ]
+    assert run(passes, set(cached)) == (52, dict(enumerate(contexts)))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "alone"),
+    [
+        ([3], [3]),  # one read deep inside: one token alone, not 23 recomputed
+        ([3, 12], [3, 12]),
+        ([24], []),  # 2 tokens recomputed cost no more than one row of its own
+        ([3, 22, 23, 24], [3]),  # the row recomputes from 22 (4 tokens) and runs 3 alone
+    ],
+)
+def test_reads_inside_the_cached_part_run_alone_where_that_costs_less(lengths, alone):
+    prompt = tuple(range(30))
+    contexts = [prompt[:n] for n in lengths] + [prompt + (5, 6)]
+    passes = plan_passes(contexts, lambda c: min(len(c), 25), alone_cost=2.0)
+    (rows,) = passes
+    assert sorted(row.reads[0] for row in rows if len(row.context) < 32) == alone
+    long_row = next(row for row in rows if len(row.context) == 32)
+    assert long_row.reads == [n for n in lengths if n not in alone] + [32]
+    tokens, reads = run(passes, set(prefixes(prompt[:25])))
+    assert reads == dict(enumerate(contexts))
+
+
 def test_a_context_cached_whole_runs_only_its_last_token():
     prompt = tuple(range(20))
     passes = plan_passes([prompt[:5], prompt], lambda c: len(c))  # both cached whole

@@ -48,6 +48,9 @@ DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Padding new tokens a sub-batch may add per real one (`sub_batches`), beyond the few it
 # always may: MLX's CPU build computes padding at full cost, through every layer.
 _PADDING = 0.0
+# What a one-token row costs in tokens of a longer row (`plan_passes`): its token, and a
+# sub-batch slot whose past is gathered from the tree and padded to its sub-batch's longest.
+_ALONE_COST = 2.0
 _INSTALL_HINT = "the MLX backend needs MLX and mlx-lm: pip install 'genlm-backend[mlx]'"
 
 Request = tuple[str | None, tuple[int, ...]]  # (adapter, token ids): also its batching key
@@ -400,7 +403,9 @@ class AsyncMlxLM(AsyncLM):
     ) -> tuple[torch.Tensor, list[int]]:
         """The rows of one adapter's contexts, in the passes `plan_passes` plans, and the
         context each row answers."""
-        passes = plan_passes(contexts, lambda ids: self.kv_cache.match(ids, adapter).length)
+        passes = plan_passes(
+            contexts, lambda ids: self.kv_cache.match(ids, adapter).length, alone_cost=_ALONE_COST
+        )
         outputs, order = [], []
         for rows in passes:
             output, rows_run = self._run_pass(adapter, rows)

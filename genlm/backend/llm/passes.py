@@ -9,7 +9,9 @@ sum of the contexts' lengths:
   as a row of its own: its next-token row is read from the longer context's
   row, at its own position (all prefixes of a sequence, as a scorer or a
   critic asks for them, are one row). Unless the cache holds the longer
-  context past it: then it runs alone, one token from its cached prefix.
+  context past it: then it runs alone, one token from its cached prefix, or
+  (where an engine says what a row of its own costs, `alone_cost`) the longer
+  row recomputes from it, whichever costs less.
 - **Trunks.** A prefix that several rows share and the cache does not hold
   (a prompt no earlier batch evaluated, say) runs once, in an earlier pass,
   and its key/values go into the cache, where the rows that extend it find
@@ -50,6 +52,7 @@ def plan_passes(
     contexts: Sequence[tuple[int, ...]],
     cached_length: Callable[[tuple[int, ...]], int],
     min_saved: int = MIN_SAVED_TOKENS,
+    alone_cost: float | None = None,
 ) -> list[list[Row]]:
     """Plan the forward passes that answer every context.
 
@@ -59,6 +62,12 @@ def plan_passes(
             the cache holds now.
         min_saved: A shared uncached prefix runs as a trunk of its own only when
             that spares at least this many tokens.
+        alone_cost: What a context that ends inside the cached part of its
+            row costs run alone, in tokens of a longer row (its one token and
+            the setup of a row of its own). `None`: such contexts always run
+            alone. Otherwise the row recomputes from the earliest of them
+            whenever the tokens it recomputes cost less than running them alone
+            (all prefixes of a cached prompt, say).
 
     Returns:
         The passes, in the order they must run; every context is read exactly
@@ -82,23 +91,44 @@ def plan_passes(
         row.queries.reverse()
     cached = [cached_length(row.context) for row in maximal]
     # A read inside the cached part of its row would make the row recompute from there:
-    # it runs alone instead, from its own cached prefix (one token).
+    # it runs alone instead, from its own cached prefix (one token), unless recomputing
+    # costs less.
     alone: list[Row] = []
     for row, length in zip(maximal, cached, strict=True):
         inside = sum(1 for read in row.reads if read <= length)
-        if inside:
-            alone += [
-                Row(row.context[:read], [read], [query])
-                for read, query in zip(row.reads[:inside], row.queries[:inside], strict=True)
-            ]
-            del row.reads[:inside], row.queries[:inside]
-    # A row left with no read is cached whole: nothing to run.
-    cached = [length for row, length in zip(maximal, cached, strict=True) if row.reads]
+        count = _reads_alone(row.reads[:inside], length, alone_cost)
+        alone += [
+            Row(row.context[:read], [read], [query])
+            for read, query in zip(row.reads[:count], row.queries[:count], strict=True)
+        ]
+        del row.reads[:count], row.queries[:count]
+    # A row left with no read is cached whole: nothing to run. A row still reading inside
+    # its cached part runs from just before that read.
+    cached = [
+        min(length, row.reads[0] - 1)
+        for row, length in zip(maximal, cached, strict=True)
+        if row.reads
+    ]
     maximal = [row for row in maximal if row.reads]
     trunks = _trunks(maximal, cached, min_saved)
     passes = _passes(maximal, trunks) if trunks else [maximal]
     passes[0] = alone + passes[0]
     return passes
+
+
+def _reads_alone(inside: list[int], cached: int, alone_cost: float | None) -> int:
+    """How many of a row's first reads, those inside its cached part, run alone.
+
+    Running the first `j` alone costs `j * alone_cost`; the row then recomputes
+    its cached tokens from just before its next read on.
+    """
+    if alone_cost is None:
+        return len(inside)
+    costs = [
+        j * alone_cost + (cached - inside[j] + 1 if j < len(inside) else 0)
+        for j in range(len(inside) + 1)
+    ]
+    return min(range(len(costs)), key=costs.__getitem__)
 
 
 def sub_batches(

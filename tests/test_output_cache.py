@@ -73,6 +73,16 @@ def test_get_rows_copies_found_entries_into_one_tensor_and_names_the_missing():
     assert (3,) not in cache and (1,) in cache and (2,) in cache
 
 
+def test_touch_marks_entries_recently_used_and_names_the_missing():
+    cache = OutputCache(maxsize=3)
+    for value in (1, 2, 3):
+        cache[(value,)] = tensor(value)
+    assert cache.touch([(9,), (1,), (2,), (8,)]) == [0, 3]
+    cache[(4,)] = tensor(4)  # evicts (3,): (1,) and (2,) were touched since
+    assert (3,) not in cache and (1,) in cache and (2,) in cache
+    assert cache.touch([]) == []
+
+
 def test_evicts_the_least_recently_used():
     cache = OutputCache(maxsize=2)
     cache[(1,)] = tensor(1)

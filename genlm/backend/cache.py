@@ -191,6 +191,21 @@ class OutputCache:
             pool, slot, device = entry
             return pool.rows[slot].to(device, copy=True)
 
+    def touch(self, keys: Sequence[Hashable]) -> list[int]:
+        """Mark the entries of `keys` recently used, without reading them.
+
+        Returns:
+            The indices of the keys not found.
+        """
+        with self._lock:
+            missing = []
+            for i, key in enumerate(keys):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                else:
+                    missing.append(i)
+            return missing
+
     def get_rows(self, keys: Sequence[Hashable]) -> tuple[torch.Tensor | None, list[int]]:
         """Copy the entries of `keys` into one new tensor, row `i` for `keys[i]`.
 

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from genlm.backend.llm.hf import AsyncTransformer
 
@@ -102,6 +103,63 @@ async def test_critic_rescoring_runs_only_the_new_token_per_particle(lm):
         assert lm.output_cache.get((None, tuple(contexts[0]))).abs().sum() > 0
         for i, particle in enumerate(particles):
             particle.append(random_ids(20 + 4 * step + i, 1)[0])
+
+
+class OpsOutsideTheModel(TorchDispatchMode):
+    """Counts the tensor operations dispatched outside the model's forward passes."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.count, self._inside = 0, False
+        self._handles = [
+            lm.model.register_forward_pre_hook(lambda *args: setattr(self, "_inside", True)),
+            lm.model.register_forward_hook(lambda *args: setattr(self, "_inside", False)),
+        ]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside and not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def close(self):
+        for handle in self._handles:
+            handle.remove()
+
+
+async def test_a_call_copies_its_rows_at_once_however_many_were_computed(lm):
+    # Cached rows and the rows the call computes are copied into its tensor together, from
+    # the output cache: the operations outside the forward pass do not grow with the rows.
+    counts = []
+    # Rows for 12 entries in the output cache's memory (`clear_cache` keeps it): no call grows it.
+    lm.batch_next_token_logprobs_sync([random_ids(60 + i, 6) for i in range(12)])
+    for n_new in (1, 5):
+        lm.clear_cache()
+        cached = [random_ids(30 + i, 6) for i in range(6)]
+        lm.batch_next_token_logprobs_sync(cached)
+        new = [random_ids(40 + i, 6) for i in range(n_new)]
+        contexts = [c for pair in zip(cached, new + cached[n_new:], strict=True) for c in pair]
+        counter = OpsOutsideTheModel(lm)
+        try:
+            with counter:
+                rows = await lm.batch_next_token_logprobs(contexts)
+        finally:
+            counter.close()
+        counts.append(counter.count)
+        assert_exact(lm, contexts, rows)
+    assert counts[0] == counts[1]
+
+
+async def test_rows_evicted_while_the_call_computes_are_computed_again(model_and_tokenizer):
+    # An output cache of two rows: the call's two new rows evict its two cached ones, which
+    # run again (their last token: their key/values are in the tree).
+    lm = AsyncTransformer(*model_and_tokenizer, cache_size=2)
+    cached = [random_ids(50, 4), random_ids(51, 4)]
+    lm.batch_next_token_logprobs_sync(cached)
+    contexts = [cached[0], random_ids(52, 4), cached[1], random_ids(53, 5)]
+    with TokenCounter(lm) as counter:
+        rows = await lm.batch_next_token_logprobs(contexts)
+    assert counter.shapes[-1] == (2, 1)
+    assert_exact(lm, contexts, rows)
 
 
 async def test_a_small_working_memory_bound_splits_batches_with_the_same_results(

@@ -251,10 +251,12 @@ class AsyncTransformer(AsyncLM):
     ) -> torch.Tensor:
         """Next-token log-probabilities of several contexts, batched with concurrent calls.
 
-        Cached results are copied straight into the returned tensor; the other
-        contexts are queued like `next_token_logprobs` calls (one batch with
-        whatever else is waiting), so scoring every prefix of a context that
-        grew by a token computes only the new prefix.
+        The contexts without a cached result are queued like `next_token_logprobs`
+        calls (one batch with whatever else is waiting), so scoring every prefix
+        of a context that grew by a token computes only the new prefix. Then
+        every row is copied from the output cache, where the computed ones were
+        stored, into the returned tensor at once (one operation per run of rows
+        stored apart, not one per row).
 
         Args:
             token_ids_list: The contexts (may be empty).
@@ -271,13 +273,22 @@ class AsyncTransformer(AsyncLM):
         queries = self._queries(token_ids_list, lora_name)
         if not queries:
             return torch.empty((0, self.vocab_size))
-        rows, missing = self.output_cache.get_rows([query.key for query in queries])
-        computed = await asyncio.gather(*(self._batcher.submit(queries[i]) for i in missing))
+        keys = [query.key for query in queries]
+        computed = await self._compute(queries, self.output_cache.touch(keys))
+        rows, lost = self.output_cache.get_rows(keys)
+        # Rows the output cache does not hold now: evicted (or never stored, if it
+        # cannot hold them) while the batch ran.
+        computed.update(await self._compute(queries, [i for i in lost if i not in computed]))
         if rows is None:
-            return torch.stack(computed)
-        for i, row in zip(missing, computed, strict=True):
-            rows[i].copy_(row)
+            return torch.stack([computed[i] for i in range(len(queries))])
+        for i in lost:
+            rows[i].copy_(computed[i])
         return rows
+
+    async def _compute(self, queries: list[Query], indices: list[int]) -> dict[int, torch.Tensor]:
+        """The results of `queries[i]` for each `i` in `indices`, from batches."""
+        results = await asyncio.gather(*(self._batcher.submit(queries[i]) for i in indices))
+        return dict(zip(indices, results, strict=True))
 
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None

@@ -276,6 +276,38 @@ async def test_a_sampler_and_a_critic_that_alternate_both_continue_in_place(lm, 
         assert_exact(lm, context, result)
 
 
+def test_the_workspace_keeps_two_batches_one_per_storage_and_spills_the_one_it_reuses():
+    from genlm.backend.llm.hf_batch import KVWorkspace
+
+    spilled = []
+    workspace = KVWorkspace(batches=2, spill=spilled.append)
+    like = torch.empty(0)
+    shape = (1, 2, 2, 1, 3, 4)  # [layers, 2, rows, kv_heads, slots, head_dim]
+    a = workspace.take(shape, like)
+    workspace.remember("x", [(1, 2, 3), (1, 2, 4)], a)
+    b = workspace.take(shape, like)  # the storage without a remembered batch
+    workspace.remember("x", [(5, 6, 7), (5, 6, 8)], b)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert [batch.storage for batch in workspace.remembered] == [a, b] and spilled == []
+    found, sources = workspace.extension("x", [(1, 2, 4, 9), (1, 2, 3, 9)])
+    assert found.storage is a and sources == [1, 0]
+    assert workspace.extension("y", [(1, 2, 4, 9)]) is None  # another adapter
+    assert workspace.extension("x", [(1, 2, 4, 9), (5, 6, 7, 9)]) is None  # two batches
+    # A buffer built from `b` takes `a`'s storage: `a`'s batch is spilled first.
+    c = workspace.take(shape, like, avoid=b)
+    assert c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert [batch.storage for batch in spilled] == [a]
+    assert [batch.storage for batch in workspace.remembered] == [b]
+    workspace.forget(b)
+    assert workspace.remembered == [] and len(spilled) == 1
+    # One batch at most (MLX): remembering another spills the older.
+    single = KVWorkspace(spill=spilled.append)
+    single.remember("x", [(1,)], "first")
+    single.remember("x", [(2,)], "second")
+    assert spilled[-1].storage == "first" and single.recall("x", [(2, 3)], [1]) == ("second", [0])
+    assert single.remembered == []
+
+
 async def test_a_step_that_fails_mid_pass_leaves_the_last_batch_usable(lm):
     # The failure comes after the new buffer was taken (the output layer runs last);
     # retrying the resampled step must not build the buffer over the one it copies from.

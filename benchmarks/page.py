@@ -1,0 +1,203 @@
+"""Redraw the performance page's first table and picture from docs/performance.json.
+
+The JSON holds the table cell for cell, by groups of rows; rows a benchmark refreshes
+carry its id and provenance. `--check` changes nothing and fails when they differ.
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.core import ROOT, Figure, cells
+
+DATA = ROOT / "docs" / "performance.json"
+PAGE = ROOT / "docs" / "performance.md"
+IMAGE = ROOT / "docs" / "images" / "performance.png"
+BEGIN = "<!-- performance-table: begin (written by `python -m benchmarks page`) -->"
+END = "<!-- performance-table: end -->"
+CELLS = ["workload", "ours", "released", "floor"]
+CELLS += ["ratio_floor", "released_floor", "ratio_released", "measured"]
+RATIOS = ("ratio_floor", "released_floor", "ratio_released")
+RELEASED_CELLS = ("released", "released_floor", "ratio_released")
+
+
+def ratio_values(cell: str | None) -> list[tuple[float, float]]:
+    """The (low, high) of each alternative of a ratio cell: "0.9–1.1" or "0.12 / 0.06"."""
+    spans = []
+    for alternative in cell.split(" / ") if cell else []:
+        low, _, high = alternative.partition("–")
+        spans.append((float(low), float(high or low)))
+    return spans
+
+
+def ratio_text(cell: str | None) -> str:
+    """A ratio cell as printed: `×` after each alternative."""
+    return "—" if cell is None else " / ".join(f"{a}×" for a in cell.split(" / "))
+
+
+def cell(row: dict, key: str) -> str:
+    """One cell of a row as printed."""
+    if key in RATIOS:
+        return ratio_text(row.get(key))
+    return row.get(key, "") if key == "measured" else row.get(key) or "—"
+
+
+def table(data: dict) -> str:
+    """The page's first table, in Markdown (groups without rows are left out)."""
+    lines = [[data["columns"][key] for key in CELLS], ["---"] * len(CELLS)]
+    for group in (group for group in data["groups"] if group["rows"]):
+        header = {"workload": f"**{group['name']}**", "measured": group.get("measured", "")}
+        header["floor"] = f"*{group['floor']}*" if group.get("floor") else ""
+        lines.append([header.get(key, "") for key in CELLS])
+        lines += [[cell(row, key) for key in CELLS] for row in group["rows"]]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def page_with_table(page: str, text: str) -> str:
+    """`page` with `text` between its table markers."""
+    start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+    return page[:start] + "\n" + text + "\n" + page[end:]
+
+
+def merge(data: dict, figures: list[dict], stamp: dict) -> None:
+    """Put `figures` (`Figure` records) into `data`'s rows by id, stamped with their run.
+
+    A figure replaces the row of its id, or joins its group. One without 0.3.1's
+    figure keeps the row's 0.3.1 cells with their provenance; a `released_only` one
+    replaces those cells alone.
+    """
+    groups = {group["id"]: group for group in data["groups"]}
+    for figure in (Figure(**figure) for figure in figures):
+        rows = groups[figure.id.split("/")[0]]["rows"]
+        old = next((row for row in rows if row.get("id") == figure.id), {})
+        new = {"id": figure.id, **cells(figure), "notes": figure.notes}
+        provenance = dict(old.get("provenance", {}))
+        theirs = {key: value for key, value in new.items() if key in RELEASED_CELLS}
+        if figure.released_only:
+            row = {key: value for key, value in old.items() if key not in RELEASED_CELLS}
+            row = {"id": new["id"], "workload": new["workload"], **row, **theirs}
+            row["released notes"] = new["notes"]
+            provenance["released"] = stamp
+        else:
+            row, provenance["ours"] = new, stamp
+            if theirs:
+                provenance["released"] = stamp
+            elif "released" in old and "released" in provenance:
+                row |= {key: old[key] for key in RELEASED_CELLS if key in old}
+            else:
+                provenance.pop("released", None)
+        ours, theirs = provenance.get("ours"), provenance.get("released")
+        row["measured"] = (ours or theirs)["measured"]
+        if ours and theirs and ours != theirs:
+            row["measured"] += f"; 0.3.1: {theirs['measured']}"
+        row["provenance"] = provenance
+        if old:
+            rows[rows.index(old)] = row
+        else:
+            rows.append(row)
+
+
+def label(group: dict, row: dict) -> str:
+    """The row's name in the picture: its group's short name, its workload, its machine."""
+    workload = re.sub(r"\s*\([^()]*\)$", "", row["workload"].replace("`", ""))
+    machine = f" ({row['measured'].split(', ')[1]})" if ", " in row.get("measured", "") else ""
+    return f"{group['short']}: {workload}{machine}"
+
+
+def draw(data: dict, image: Path = IMAGE) -> None:
+    """Draw every ratio of the table on a log scale into `image`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries, y = [], 0.0  # (y, label, group, row)
+    for group in data["groups"]:
+        rows = [row for row in group["rows"] if any(row.get(key) for key in RATIOS)]
+        for row in rows:
+            entries.append((y, label(group, row), group, row))
+            y += 1
+        y += 0.6 if rows else 0
+    fig, (left, right) = plt.subplots(
+        1, 2, sharey=True, figsize=(13, 0.25 * y + 1.8), layout="constrained",
+        gridspec_kw={"width_ratios": [1.15, 1]},
+    )  # fmt: skip
+    series = [
+        (left, "ratio_floor", "tab:blue", "this project ÷ floor", -0.15),
+        (left, "released_floor", "tab:gray", "0.3.1 ÷ floor", 0.15),
+        (right, "ratio_released", "tab:orange", "this project ÷ 0.3.1", 0.0),
+    ]
+    for y, _, group, row in entries:
+        if group.get("gpu"):
+            for axis in (left, right):
+                axis.axhspan(y - 0.5, y + 0.5, color="mistyrose", zorder=0)
+        for axis, key, color, _, shift in series:
+            for (low, high), marker in zip(ratio_values(row.get(key)), "os", strict=False):
+                if high > low:
+                    axis.plot([low, high], [y + shift] * 2, color=color, linewidth=3)
+                axis.plot([high], [y + shift], marker=marker, color=color, markersize=4)
+            if row.get(key):
+                high = max(high for _, high in ratio_values(row[key]))
+                axis.annotate(
+                    ratio_text(row[key]), (high, y + shift), xytext=(4, 0), fontsize=6.5,
+                    textcoords="offset points", va="center", color=color,
+                )  # fmt: skip
+    for axis, title, limits in (
+        (left, "against the floor (what you would write by hand)", (0.2, 60)),
+        (right, "this project against the released 0.3.1", (0.007, 10)),
+    ):
+        axis.set_xscale("log")
+        axis.set_xlim(*limits)
+        axis.axvline(1, color="black", linewidth=0.8)
+        axis.set_title(title, fontsize=9)
+        axis.grid(axis="x", color="lightgray", linewidth=0.5)
+        axis.tick_params(axis="x", labelsize=8)
+        axis.spines[["top", "right"]].set_visible(False)
+    left.set_yticks([y for y, *_ in entries], [text for _, text, *_ in entries], fontsize=7)
+    left.invert_yaxis()
+    handles = [
+        plt.Line2D([], [], color=color, marker="o", linewidth=3, label=name)
+        for _, _, color, name, _ in series
+    ]
+    handles.append(plt.Line2D([], [], color="dimgray", marker="s", ls="", label="second of a / b"))
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="mistyrose", label="GPU rows"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
+    fig.suptitle(
+        "Time ratios, lower is better (below 1: faster than what it is compared with)\n"
+        f"{data['machines']}\ndates and details: docs/performance.md",
+        fontsize=10,
+    )
+    image.parent.mkdir(exist_ok=True)
+    fig.savefig(image, dpi=110)
+    print(f"wrote {image}")
+
+
+def write_page(data: dict) -> None:
+    """Rewrite the page's table and the picture from `data`."""
+    page = PAGE.read_text()
+    PAGE.write_text(page_with_table(page, table(data)))
+    draw(data)
+
+
+def load(path: Path = DATA) -> dict[str, Any]:
+    """The performance data."""
+    return json.loads(path.read_text())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `page` command's options."""
+    parser.add_argument("--check", action="store_true", help="compare only, write nothing")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Redraw (or, with `--check`, compare) the page's table and its picture."""
+    data, page = load(), PAGE.read_text()
+    if args.check:
+        if page_with_table(page, table(data)) != page:
+            sys.exit(f"{PAGE}: its table differs from {DATA}; run `python -m benchmarks page`")
+        print(f"{PAGE}: the table matches {DATA.name}")
+        return
+    write_page(data)

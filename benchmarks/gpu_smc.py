@@ -58,21 +58,6 @@ def per_step_ms(runs: dict[str, Any], repeats: int) -> dict[str, float]:
     return {name: 1e3 * median(values) for name, values in steps.items()}
 
 
-class OnDevice:
-    """A model for `run_reference`, which builds its inputs on the CPU: moves them over."""
-
-    def __init__(self, model: Any, device: str):
-        self.model, self.device = model, device
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(a.to(self.device) if torch.is_tensor(a) else a for a in args)
-        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-        return self.model(*args, **kwargs)
-
-
 def free(device: str) -> None:
     """Collect garbage and hand cached device memory back."""
     gc.collect()
@@ -115,8 +100,7 @@ def run(args: argparse.Namespace) -> None:
             lm = AsyncTransformer(model, tokenizer)
             for steps in (64, 256):
                 trace = workload.make_trace(N, steps, lm.vocab_size)
-                on_device = OnDevice(model, device)
-                runs = {"floor": partial(workload.stamped_floor, on_device, trace, N, steps, clock)}
+                runs = {"floor": partial(workload.stamped_floor, model, trace, N, steps, clock)}
                 runs["ours"] = partial(workload.stamped_backend, lm, trace, N, steps, clock)
                 ms, key = per_step_ms(runs, args.repeats), f"hf/{steps}"
                 text = label(key, f"transformers, T={steps}")

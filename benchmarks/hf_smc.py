@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> None:
             notes["max error"] = workload.max_error(sampled, lm.next_token_logprobs_uncached)
             label = f"N={n}, T={steps}" + (", `cache_kv(prompt)` first" if cache_kv else "")
             figure_id = f"hf_smc/{n}x{steps}" + ("/cache_kv" if cache_kv else "")
-            record(Figure(figure_id, label, "s", wall["defaults"], wall["floor"],
-                          target="≤ 1.3× floor", notes=notes))  # fmt: skip
+            ours, floor, target = wall["defaults"], wall["floor"], "≤ 1.3× floor"
+            record(Figure(figure_id, label, "s", ours, floor, target=target, notes=notes))
     if not args.skip_memory:
         n, steps = 32, 512
         lm = AsyncTransformer(model, tokenizer, batch_size=n, kv_cache_bytes=BUDGET)

@@ -8,6 +8,7 @@ MLX links a reference BLAS (10-20× slower than torch): read the ratio.
 
 import argparse
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from benchmarks import workload
@@ -65,6 +66,6 @@ def run(args: argparse.Namespace) -> None:
         if hf is not None:
             notes["AsyncTransformer s"] = median(runs["hf"])
         ours, theirs = median(runs["ours"]), median(runs["floor"])
-        label = f"N={n}, T={steps}" + (f" ({path})" if args.model else "")
-        record(Figure(f"mlx_smc/{n}x{steps}", label, "s", ours, theirs, target="≤ 1.2× floor",
-                      notes=notes))  # fmt: skip
+        model = f"/{Path(path).name}" * bool(args.model)  # another model: another row
+        label, figure_id = f"N={n}, T={steps}{model}", f"mlx_smc/{n}x{steps}{model}"
+        record(Figure(figure_id, label, "s", ours, theirs, target="≤ 1.2× floor", notes=notes))

@@ -121,10 +121,10 @@ def draw(data: dict, image: Path = IMAGE) -> None:
             entries.append((y, label(group, row), group, row))
             y += 1
         y += 0.6 if rows else 0
+    size, widths = (13, 0.25 * y + 1.8), {"width_ratios": [1.15, 1]}
     fig, (left, right) = plt.subplots(
-        1, 2, sharey=True, figsize=(13, 0.25 * y + 1.8), layout="constrained",
-        gridspec_kw={"width_ratios": [1.15, 1]},
-    )  # fmt: skip
+        1, 2, sharey=True, figsize=size, layout="constrained", gridspec_kw=widths
+    )
     series = [
         (left, "ratio_floor", "tab:blue", "this project ÷ floor", -0.15),
         (left, "released_floor", "tab:gray", "0.3.1 ÷ floor", 0.15),
@@ -141,10 +141,8 @@ def draw(data: dict, image: Path = IMAGE) -> None:
                 axis.plot([high], [y + shift], marker=marker, color=color, markersize=4)
             if row.get(key):
                 high = max(high for _, high in ratio_values(row[key]))
-                axis.annotate(
-                    ratio_text(row[key]), (high, y + shift), xytext=(4, 0), fontsize=6.5,
-                    textcoords="offset points", va="center", color=color,
-                )  # fmt: skip
+                text = {"textcoords": "offset points", "fontsize": 6.5, "va": "center"}
+                axis.annotate(ratio_text(row[key]), (high, y + shift), (4, 0), color=color, **text)
     for axis, title, limits in (
         (left, "against the floor (what you would write by hand)", (0.2, 60)),
         (right, "this project against the released 0.3.1", (0.007, 10)),

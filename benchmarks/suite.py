@@ -26,11 +26,11 @@ from benchmarks.core import ROOT, in_child
 QUICK = [
     "decode_vocab --repeats 3",
     "trie --repeats 5",
-    "hf_smc --configs 10x32 --repeats 1 --skip-memory",
+    "hf_smc --configs 10x32 --skip-memory",
     "overhead --backends hf --repeats 2",
     "scoring --repeats 3 --configs 8x32 --critic-repeats 1",
     "memory --sizes 256",
-    "launches --steps 16",
+    "launches",
 ]
 FULL = [
     "decode_vocab",

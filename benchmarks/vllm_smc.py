@@ -12,6 +12,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 from benchmarks.core import Figure, median, record
@@ -134,8 +135,9 @@ def run(args: argparse.Namespace) -> None:
             if hf is not None:
                 runs["hf"].append(run_backend(hf, trace, n, steps))
         notes = {"AsyncTransformer s": median(runs["hf"])} if hf else {}
-        record(Figure(f"vllm_smc/{n}x{steps}", f"N={n}, T={steps}", "s", median(runs["ours"]),
-                      median(runs["floor"]), target="≤ 1.2× floor", notes=notes))  # fmt: skip
+        ours, floor_s, label = median(runs["ours"]), median(runs["floor"]), f"N={n}, T={steps}"
+        figure = Figure(f"vllm_smc/{n}x{steps}", label, "s", ours, floor_s, target="≤ 1.2× floor")
+        record(replace(figure, notes=notes))
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
         alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))

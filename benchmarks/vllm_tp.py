@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from benchmarks.core import Figure, in_child, median, record
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> None:
             if workers == 2:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
             rows_file = str(Path(scratch) / f"rows-{workers}.pt")
-            results[workers] = in_child("benchmarks.vllm_tp:child", env=env, model=folder,
-                                        workers=workers, rows_file=rows_file)  # fmt: skip
+            measure = partial(in_child, "benchmarks.vllm_tp:child", env=env, model=folder)
+            results[workers] = measure(workers=workers, rows_file=rows_file)
             rows[workers] = torch.load(rows_file)
     reference = torch.stack([forward_row(load_hf(folder)[0])(prompt) for prompt in PROMPTS])
     notes = {"engine start s, 1 / 2": (results[1]["start s"], results[2]["start s"])}

@@ -24,7 +24,7 @@ from genlm.backend.llm.hf_query import Query
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Results of recent queries: 256 MiB holds 1,365 rows of a 49,152-token vocabulary (float32),
 # enough for an LLM critic that rescores every prefix of 32 particles' contexts for 32 steps
-# without recomputing one (`benchmarks/bench_scoring.py`).
+# without recomputing one (`python -m benchmarks scoring`).
 DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2
 DEFAULT_MAX_BATCH_BYTES = 2 * 1024**3
 

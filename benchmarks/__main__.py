@@ -47,7 +47,7 @@ def main(argv: list[str]) -> None:
         description=module.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    module.add_arguments(parser)
+    core.add_options(parser, module.OPTIONS)
     if name not in ("all", "page"):
         parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv[1:])

@@ -3,6 +3,7 @@
 Nothing here imports torch, so that the memory benchmark's parent process stays small.
 """
 
+import argparse
 import importlib
 import json
 import math
@@ -23,6 +24,11 @@ RESULT = "RESULT "  # prefix of the line on which a child prints its result
 COLUMNS = {"ours": "this project", "floor": "floor", "ratio_floor": "÷ floor"}
 COLUMNS |= {"released": "0.3.1", "ratio_released": "÷ 0.3.1"}
 Value = float | tuple[float, ...]
+HELP = {
+    "configs": "NxT,NxT,...: particles x steps",
+    "repeats": "runs of each measurement (medians)",
+    "threads": "torch threads (0: torch's)",
+}
 
 
 @dataclass
@@ -147,6 +153,25 @@ def alternate(runs: dict[str, Callable[[], Any]], repeats: int, first: int = 0) 
     return results
 
 
+def medians(results: list[Any]) -> Any:
+    """Leaf by leaf: the median of numbers; a value every result shares, or all of them."""
+    first = results[0]
+    if isinstance(first, dict):
+        return {key: medians([result[key] for result in results]) for key in first}
+    if isinstance(first, list | tuple):
+        return [medians(list(column)) for column in zip(*results, strict=True)]
+    if isinstance(first, int | float):
+        return median(results)
+    return first if len(set(results)) == 1 else results
+
+
+def compare(runs: dict[str, Callable[[], Any]], repeats: int, warm_up: bool = False) -> dict:
+    """Each run's `medians` over `repeats` alternated rounds (after an untimed one: `warm_up`)."""
+    for run in runs.values() if warm_up else ():
+        run()
+    return {name: medians(results) for name, results in alternate(runs, repeats).items()}
+
+
 def in_child(target: str, released: Path | None = None, env: dict | None = None, **kwargs) -> Any:
     """`module:function(**kwargs)`'s JSON result, run in a fresh process with `env` set and
     `genlm.backend` imported from `released` (0.3.1's folder) or this checkout (checked)."""
@@ -173,14 +198,35 @@ def child_main(target: str, arguments: str) -> None:
     print(RESULT + json.dumps({"module": backend and backend.__file__, "value": value}))
 
 
-def released_folder(folder: Path | None = None) -> Path:
+def released_folder(folder: str | None = None) -> Path:
     """A folder holding genlm-backend 0.3.1 alone, installed there first if it is not."""
-    folder = (folder or RELEASED).resolve()
+    folder = Path(folder or RELEASED).resolve()
     if not (folder / "genlm" / "backend").is_dir():
         print(f"installing genlm-backend 0.3.1 into {folder}", flush=True)
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder)]
         subprocess.run([*pip, "genlm-backend==0.3.1"], check=True)
     return folder
+
+
+def add_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
+    """Add a command's `options` to `parser`.
+
+    Args:
+        parser: The command's parser.
+        options: Option name (`skip_hf` for `--skip-hf`) -> its default, or (default,
+            help). False: a flag; a list: its choices, the first the default; a dict: JSON;
+            None: a string. `HELP` holds the common options' help.
+    """
+    for name, value in options.items():
+        default, text = value if isinstance(value, tuple) else (value, HELP.get(name))
+        flag, kind = "--" + name.replace("_", "-"), type(default)
+        if default is False:
+            parser.add_argument(flag, action="store_true", help=text)
+        elif isinstance(default, list):
+            parser.add_argument(flag, choices=default, default=default[0], help=text)
+        else:
+            kind = {dict: json.loads, type(None): str}.get(kind, kind)
+            parser.add_argument(flag, type=kind, default=default, help=text)
 
 
 def set_threads(threads: int | None) -> int:

@@ -1,26 +1,27 @@
 """The GPU workload: a random 1.07B Llama through vLLM and transformers against floors.
 
 A Llama-shaped model (hidden 2048, 16 layers, 32 heads, 8 key/value heads) over
-SmolLM2's tokenizer, seeded random bfloat16 weights, built locally. The workload with
-N=32, ms per step after the device finished: vLLM with its defaults and eager (T=64)
-against `vllm_smc.floor` without the capture; transformers (T=64, 256) against
-`workload.run_reference`. Targets (issue 14, H100): 11, 19, 46, 66 ms. `--tiny`: a
-2-layer model, to smoke-run on the CPU; `--runner`: vLLM's model runner.
+SmolLM2's tokenizer, seeded random bfloat16 weights, built locally. N=32, ms per step
+after the device finished: vLLM with its defaults and eager (T=64) against
+`vllm_smc.floor` without the capture; transformers (T=64, 256) against
+`workload.run_reference`. `--tiny`: a 2-layer model, to smoke-run on the CPU.
 """
 
-import argparse
 import gc
 import os
 import tempfile
 import time
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from benchmarks import workload
-from benchmarks.core import Figure, median, record
+from benchmarks.core import Figure, compare, record
 
+OPTIONS = {"device": "cuda" if torch.cuda.is_available() else "cpu", "repeats": 3}
+OPTIONS |= {"tiny": False, "skip_vllm": False, "skip_hf": False}
+OPTIONS |= {"gpu_memory_utilization": 0.4, "runner": (["auto", "v1", "v2"], "vLLM's runner")}
 N = 32
 FULL = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16}
 FULL |= {"num_attention_heads": 32, "num_key_value_heads": 8}
@@ -48,14 +49,9 @@ def build_model(folder: str, shape: dict[str, int], dtype: torch.dtype, device: 
     tokenizer.save_pretrained(folder)
 
 
-def per_step_ms(runs: dict[str, Any], repeats: int) -> dict[str, float]:
-    """Per-step milliseconds of each run: median over steps, then over repeats."""
-    for run in runs.values():  # untimed warm-up
-        run()
-    steps = {
-        name: [workload.median_of(run()) for _ in range(repeats)] for name, run in runs.items()
-    }
-    return {name: 1e3 * median(values) for name, values in steps.items()}
+def step_median(stamped: Callable, *args: Any) -> Callable[[], float]:
+    """A run of `stamped(*args)` that gives the median of its per-step costs."""
+    return lambda: workload.median_of(stamped(*args))
 
 
 def free(device: str) -> None:
@@ -65,18 +61,7 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model, for a smoke run")
-    parser.add_argument("--skip-vllm", action="store_true")
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    parser.add_argument("--runner", choices=["auto", "v1", "v2"], default="auto")
-
-
-def run(args: argparse.Namespace) -> None:
+def run(args: Any) -> None:
     """Build the model, then time the transformers rows and the vLLM rows."""
     from genlm.backend.llm.hf import AsyncTransformer
 
@@ -88,8 +73,13 @@ def run(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
         return (time.perf_counter(),)
 
-    def label(key: str, text: str) -> str:
-        return text + (f" (target {TARGETS[key]} ms on an H100)" if cuda and not args.tiny else "")
+    def per_step_ms(runs: dict[str, Any]) -> dict[str, float]:
+        ms = compare(runs, args.repeats, warm_up=True)  # median over steps, then repeats
+        return {name: 1e3 * value for name, value in ms.items()}
+
+    def figure(key: str, text: str, ms: dict, notes: dict | None = None) -> None:
+        text += f" (target {TARGETS[key]} ms on an H100)" if cuda and not args.tiny else ""
+        record(Figure(f"gpu/{key}", text, "ms", ms["ours"], ms["floor"], notes=notes or {}))
 
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder, TINY if args.tiny else FULL, dtype, device)
@@ -100,11 +90,9 @@ def run(args: argparse.Namespace) -> None:
             lm = AsyncTransformer(model, tokenizer)
             for steps in (64, 256):
                 trace = workload.make_trace(N, steps, lm.vocab_size)
-                runs = {"floor": partial(workload.stamped_floor, model, trace, N, steps, clock)}
-                runs["ours"] = partial(workload.stamped_backend, lm, trace, N, steps, clock)
-                ms, key = per_step_ms(runs, args.repeats), f"hf/{steps}"
-                text = label(key, f"transformers, T={steps}")
-                record(Figure(f"gpu/{key}", text, "ms", ms["ours"], ms["floor"]))
+                runs = {"floor": step_median(workload.stamped_floor, model, trace, N, steps, clock)}
+                runs["ours"] = step_median(workload.stamped_backend, lm, trace, N, steps, clock)
+                figure(f"hf/{steps}", f"transformers, T={steps}", per_step_ms(runs))
             del model, lm
             free(device)
         if args.skip_vllm:
@@ -127,15 +115,12 @@ def run(args: argparse.Namespace) -> None:
             def floor_steps(capture: bool, lm: Any = lm, trace: Any = trace) -> list:
                 return workload.step_costs(floor(lm, trace, N, 64, clock, capture)[:-1])
 
-            def backend(lm: Any = lm, trace: Any = trace) -> list:
-                lm.llm_engine.reset_prefix_cache()
-                return workload.stamped_backend(lm, trace, N, 64, clock)
-
-            runs = {"floor": partial(floor_steps, False), "+capture": partial(floor_steps, True)}
-            ms = per_step_ms(runs | {"ours": backend}, args.repeats)
+            runs = {"floor": step_median(floor_steps, False)}
+            runs["+capture"] = step_median(floor_steps, True)
+            runs["ours"] = step_median(workload.stamped_backend, lm, trace, N, 64, clock)
+            ms = per_step_ms(runs)
             lm.cleanup()
             del lm
             free(device)
             notes = {"floor with the capture, ms": ms["+capture"], "model runner": runner}
-            text = label(key, text)
-            record(Figure(f"gpu/{key}", text, "ms", ms["ours"], ms["floor"], notes=notes))
+            figure(key, text, ms, notes)

@@ -22,6 +22,9 @@ from benchmarks import workload
 from benchmarks.core import Figure, median, record
 from benchmarks.scoring import CriticRun, critic_setup
 
+OPTIONS = {"n": (32, "particles"), "steps": 32, "workloads": "lockstep,critic,resample"}
+OPTIONS["names"] = (False, "operators by name, per workload")
+
 aten = torch.ops.aten
 FIRST_STEADY_STEP = 4
 TARGETS = {"lockstep": "≤ 1× floor, no host sync", "critic": "≤ 2.15× floor"}
@@ -90,14 +93,6 @@ def count(run: Any, *args: Any, names: list[str] | None = None) -> tuple[tuple, 
     with counter:
         costs = run(*args, clock)[FIRST_STEADY_STEP - 1 :]
     return tuple(median(cost[i] for cost in costs) for i in range(len(costs[0]))), counter
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--n", type=int, default=32, help="particles")
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--workloads", default="lockstep,critic,resample")
-    parser.add_argument("--names", action="store_true", help="operators by name, per workload")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -24,6 +24,10 @@ from benchmarks import workload
 from benchmarks.core import Figure, alternate, median, record, set_threads
 from benchmarks.workload import ForwardTimer, OpCounter, median_of, step_costs
 
+OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
+OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
+OPTIONS["threads"] = (1, "hf rows' torch threads (0: all)")
+
 ARCHITECTURES = {"llama": "tiny Llama", "gpt2": "tiny GPT-2"}
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0}
 
@@ -130,15 +134,6 @@ def measure(runner: Runner, label: str, figure_id: str, n: int, steps: int, repe
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
     runner.lm.batch_size = default
     record(Figure(figure_id, label, "+ms", ours[0], floor[0], target="≤ +1 ms", notes=notes))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--configs", default="10x32,32x32", help="NxT,NxT,...")
-    parser.add_argument("--models", default="llama,gpt2", help="tiny model architectures")
-    parser.add_argument("--backends", default="hf,vllm", help="hf and/or vllm")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="hf rows' torch threads (0: all)")
 
 
 def run(args: argparse.Namespace) -> None:

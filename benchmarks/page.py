@@ -13,6 +13,8 @@ from typing import Any
 
 from benchmarks.core import ROOT, Figure, cells
 
+OPTIONS = {"check": (False, "compare only, write nothing")}
+
 DATA = ROOT / "docs" / "performance.json"
 PAGE = ROOT / "docs" / "performance.md"
 IMAGE = ROOT / "docs" / "images" / "performance.png"
@@ -183,11 +185,6 @@ def write_page(data: dict) -> None:
 def load(path: Path = DATA) -> dict[str, Any]:
     """The performance data."""
     return json.loads(path.read_text())
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `page` command's options."""
-    parser.add_argument("--check", action="store_true", help="compare only, write nothing")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -18,7 +18,6 @@ import random
 from collections import Counter
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from statistics import median
 from typing import Any
 
@@ -36,6 +35,13 @@ SETTINGS = {  # hf part: name -> label, batch size (None: its default, 0: N), `c
 }
 QUERIES = ("next_token_logprobs", "batch_next_token_logprobs")
 QUERIES += tuple(f"{name}_sync" for name in QUERIES)
+
+OPTIONS = {"released": (None, "a folder holding genlm-backend 0.3.1")}
+OPTIONS["parts"] = ("hf,trie", "hf, trie, clients and/or scoring")
+OPTIONS |= {"repeats": (3, "processes per version"), "configs": ("10x32,32x16", "hf part")}
+OPTIONS["programs"] = (",".join(PROGRAMS), "clients part")
+OPTIONS |= {"lengths": ("16,64,256", "scoring part"), "critic_configs": ("8x32", "scoring part")}
+OPTIONS["threads"] = 0
 
 
 def child_hf(model: str, configs: str, threads: int) -> dict:
@@ -214,18 +220,6 @@ def record_part(unit: str, ours: Any, theirs: Any) -> None:
             notes |= {"ours": ours["output"], "0.3.1": theirs["output"]}
         seconds = ours["run s"], None, theirs["run s"]
         record(Figure(f"clients/{unit}", PROGRAMS[unit], "s", *seconds, notes=notes))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--released", type=Path, help="a folder holding genlm-backend 0.3.1")
-    parser.add_argument("--parts", default="hf,trie", help="hf, trie, clients and/or scoring")
-    parser.add_argument("--repeats", type=int, default=3, help="processes per version")
-    parser.add_argument("--configs", default="10x32,32x16", help="NxT,NxT,... (hf)")
-    parser.add_argument("--programs", default=",".join(PROGRAMS), help="clients part")
-    parser.add_argument("--lengths", default="16,64,256", help="scoring part")
-    parser.add_argument("--critic-configs", default="8x32", help="scoring part, NxT,...")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
 
 
 def run(args: argparse.Namespace) -> None:

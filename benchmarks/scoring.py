@@ -25,6 +25,12 @@ from benchmarks import workload
 from benchmarks.core import Figure, alternate, record, set_threads, timed
 from benchmarks.workload import PROMPT_LENGTH, ForwardTimer, Trace
 
+OPTIONS = {"parts": ("scoring,critic", "scoring and/or critic")}
+OPTIONS["lengths"] = ("16,64,256", "sequence lengths (scoring)")
+OPTIONS["repeats"] = (5, "repeats of the scoring part")
+OPTIONS["configs"] = ("8x32,32x32", "NxT,NxT,... (critic part)")
+OPTIONS |= {"critic_repeats": 3, "threads": 1, "backend": ["transformers", "vllm"]}
+
 
 def forward_rows(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
     """Seconds and log-probability rows of one plain forward pass over `ids`."""
@@ -34,27 +40,30 @@ def forward_rows(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, rows
 
 
-def prefix_rows(lm: Any, ids: list[int], longest_first: bool = False) -> tuple[float, Any]:
+def prefix_rows(lm: Any, ids: list[int]) -> tuple[float, Any]:
     """Seconds and rows of one `batch_next_token_logprobs` over every prefix, cold."""
-    lm.clear_cache()
-    if hasattr(lm, "llm_engine") and not lm.llm_engine.reset_prefix_cache():
-        raise RuntimeError("vLLM did not reset its prefix cache")
+    cold(lm)
 
     async def score() -> tuple[float, torch.Tensor]:
         start = time.perf_counter()
-        if longest_first:  # the whole sequence's blocks cached before the prefixes run
-            await lm.next_token_logprobs(ids)
         rows = await lm.batch_next_token_logprobs([ids[:i] for i in range(1, len(ids) + 1)])
         return time.perf_counter() - start, rows
 
     return asyncio.run(score())
 
 
+def cold(lm: Any) -> None:
+    """Clear the backend's output cache (and vLLM's prefix cache)."""
+    lm.clear_cache()
+    if hasattr(lm, "llm_engine") and not lm.llm_engine.reset_prefix_cache():
+        raise RuntimeError("vLLM did not reset its prefix cache")
+
+
 def one_request(lm: Any, ids: list[int]) -> tuple[float, None]:
     """Seconds of ONE engine request of the whole sequence, from a fresh thread."""
     from vllm import SamplingParams
 
-    lm.llm_engine.reset_prefix_cache()
+    cold(lm)
     params = SamplingParams(max_tokens=1, detokenize=False)
     generate = partial(lm.llm_engine.generate, [{"prompt_token_ids": ids}], params, use_tqdm=False)
     with ThreadPoolExecutor(max_workers=1) as thread:
@@ -74,18 +83,13 @@ def measure_scoring(model: Any, lm: Any, lengths: list[int], repeats: int) -> di
             runs = {"ours": partial(prefix_rows, lm, ids), "hf" if vllm else "floor": forward}
             if vllm:
                 runs["floor"] = partial(one_request, lm, ids)
-                runs["long first"] = partial(prefix_rows, lm, ids, longest_first=True)
             results = {name: r[0] for name, r in alternate(runs, 1, first=repeat).items()}
             reference = results["hf" if vllm else "floor"][1]
-            for name in ("ours", "long first") if vllm else ("ours",):
-                error = max(error, (results[name][1] - reference).abs().max().item())
+            error = max(error, (results["ours"][1] - reference).abs().max().item())
             for name, (seconds, _) in results.items():
                 times.setdefault(name, []).append(seconds)
         figures[str(length)] = {name: median(values) for name, values in times.items()}
         figures[str(length)]["error"] = error
-        if vllm:  # each prefix computes its last partial block of the engine's cache
-            size = lm.llm_engine.llm_engine.vllm_config.cache_config.block_size
-            figures[str(length)]["tokens"] = sum((k - 1) % size + 1 for k in range(1, length + 1))
     return figures
 
 
@@ -129,7 +133,7 @@ class CriticRun:
 
     def per_step(self, n: int, steps: int) -> list[float]:
         """Medians over steps 1..T-1 of one cold run: wall s, forward s, forward passes."""
-        self.lm.clear_cache()
+        cold(self.lm)
         self.sampled, self.scores = {}, []
         costs = asyncio.run(self.steps(n, steps))[1:]
         return [median(cost[i] for cost in costs) for i in range(3)]
@@ -205,8 +209,7 @@ def record_all(figures: dict, vllm: bool = False, released: dict | None = None) 
         lengths = list(scoring)
         label = f"vLLM: all prefixes of {' / '.join(lengths)} tokens (floor: one request)"
         ours, floor = (tuple(scoring[k][name] for k in lengths) for name in ("ours", "floor"))
-        notes = {key: tuple(scoring[k][key] for k in lengths) for key in ("long first", "hf")}
-        notes |= {"tokens computed": tuple(scoring[k]["tokens"] for k in lengths)}
+        notes = {"transformers forward s": tuple(scoring[k]["hf"] for k in lengths)}
         notes["error"] = max(scoring[k]["error"] for k in lengths)
         record(Figure(f"scoring/vllm/{','.join(lengths)}", label, "s", ours, floor, notes=notes))
     for length, figure in {} if vllm else scoring.items():
@@ -225,17 +228,6 @@ def record_all(figures: dict, vllm: bool = False, released: dict | None = None) 
         times += (1e3 * old["with s"] if old else None,)
         figure_id = f"scoring/{'vllm_' * vllm}critic/{config}"
         record(Figure(figure_id, label, "ms", *times, None, "≤ 2.2× floor", notes))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--parts", default="scoring,critic", help="scoring and/or critic")
-    parser.add_argument("--lengths", default="16,64,256", help="sequence lengths (scoring)")
-    parser.add_argument("--repeats", type=int, default=5, help="repeats of the scoring part")
-    parser.add_argument("--configs", default="8x32,32x32", help="NxT,NxT,... (critic part)")
-    parser.add_argument("--critic-repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's)")
-    parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -23,6 +23,10 @@ from pathlib import Path
 from benchmarks import page
 from benchmarks.core import ROOT, in_child
 
+OPTIONS = {"quick": (False, "a subset, about ten minutes")}
+OPTIONS["device"] = ("cpu", "cpu, or cuda: the GPU rows")
+OPTIONS["output"] = (None, "write the JSON here, leave the page alone")
+
 QUICK = [
     "decode_vocab --repeats 3",
     "trie --repeats 5",
@@ -93,13 +97,6 @@ def gpu_name(device: str) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `all` command's options."""
-    parser.add_argument("--quick", action="store_true", help="a subset, about ten minutes")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU rows")
-    parser.add_argument("--output", type=Path, help="write the JSON here, leave the page alone")
-
-
 def run(args: argparse.Namespace) -> None:
     """Run the plan, merge what each benchmark recorded, write the JSON (and the page)."""
     start, data, about = time.perf_counter(), page.load(), machine(args.device)
@@ -120,10 +117,11 @@ def run(args: argparse.Namespace) -> None:
             figures = json.loads(output.read_text())["figures"]
         stamp = {"run": f"{now:%Y-%m-%d %H:%M}", "measured": f"{now:%Y-%m-%d}, {name}"}
         page.merge(data, figures, stamp | {"command": f"python -m benchmarks {command}"})
-    (args.output or page.DATA).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    output = Path(args.output or page.DATA)
+    output.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     if args.output is None:
         page.write_page(data)
-    print(f"\nwrote {args.output or page.DATA}; {time.perf_counter() - start:.0f} s", end="")
+    print(f"\nwrote {output}; {time.perf_counter() - start:.0f} s", end="")
     print(f"; failed: {', '.join(failed)}" if failed else "", flush=True)
     if failed:
         sys.exit(1)

@@ -10,6 +10,8 @@ from typing import Any
 
 from benchmarks.core import Figure, median_ms, record
 
+OPTIONS = {"name": ("qwen2", "a byte-level BPE tokenizer of the assets"), "repeats": 5}
+
 
 def reference_decode_vocab(tokenizer: Any) -> tuple[list, list[str]]:
     """Per-token decoding of a byte-level BPE vocabulary (the obvious version)."""
@@ -32,16 +34,6 @@ def reference_decode_vocab(tokenizer: Any) -> tuple[list, list[str]]:
         except UnicodeDecodeError:
             str_vocab.append(string)
     return byte_vocab, str_vocab
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument(
-        "--name",
-        default="qwen2",
-        help="a byte-level BPE tokenizer of the assets (not llama-spm, phi-3)",
-    )
-    parser.add_argument("--repeats", type=int, default=5)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -24,6 +24,10 @@ from benchmarks.core import Figure, median_ms, record, set_threads
 from benchmarks.workload import OpCounter
 from genlm.backend import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 
+OPTIONS = {"repeats": 15, "threads": 0}
+OPTIONS["device"] = ("cpu", "cuda: the device path on CUDA only")
+OPTIONS["device_path"] = (False, "add the device path on the CPU")
+
 BATCH = 32
 FIGURES = {  # name -> page row id, label, target
     "build": ("build", "build (both classes)", "≤ 2,000 ms"),
@@ -215,14 +219,6 @@ def device_figures(vocab: list, probs: torch.Tensor, logprobs: torch.Tensor, arg
             ops.append(counter.counts.total())
         notes = {"numpy path ms": tuple(numpy_ms), "operators per call": ops}
         record(Figure(f"{group}/trie_{kind}", f"{title} {label}", "ms", tuple(ours), notes=notes))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--device", default="cpu", help="cuda: the device path on CUDA only")
-    parser.add_argument("--device-path", action="store_true", help="add the device path on CPU")
 
 
 def run(args: argparse.Namespace) -> None:

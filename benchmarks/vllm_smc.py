@@ -2,22 +2,25 @@
 
 The workload (float32, default batch settings) against the same prompts given to
 `LLM.generate(max_tokens=1)` with the same capture, one call per step, on the same
-engine, the prefix cache reset before every run. Target (issue 5): ≤ 1.2×.
-`--interleave`: one query alone, and while a 128-token `sample` runs.
+engine. `--interleave`: one query alone, and while a 128-token `sample` runs.
 """
 
-import argparse
 import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from functools import partial
 from typing import Any
 
-from benchmarks.core import Figure, median, record
-from benchmarks.workload import Stamped, Trace, keep_checked, make_trace, parse_configs, smc
+from benchmarks.core import Figure, median, record, timed
+from benchmarks.workload import Stamped, Trace, keep_checked, smc_figures
 from benchmarks.workload import wall_clock as wall
+
+OPTIONS = {"configs": "10x32,32x128", "repeats": 3}
+OPTIONS["hf"] = (False, "also time AsyncTransformer")
+OPTIONS["compile"] = (False, "let vLLM compile the model")
+OPTIONS["interleave"] = (False, "a query during a sample")
 
 
 @contextmanager
@@ -63,16 +66,6 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall, capture=True) -
         return thread.submit(run).result()
 
 
-def run_backend(lm: Any, trace: Trace, n: int, steps: int) -> float:
-    """Wall seconds of the SMC through `lm`, its caches cleared first."""
-    lm.clear_cache()
-    if hasattr(lm, "llm_engine"):
-        lm.llm_engine.reset_prefix_cache()
-    start = time.perf_counter()
-    asyncio.run(smc(lm, trace, n, steps, use_cache_kv=False))
-    return time.perf_counter() - start
-
-
 async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     """Seconds: a query alone, a query during a 128-token sample, and that sample."""
 
@@ -103,41 +96,33 @@ def start_engine(path: str, **engine_opts: Any) -> Any:
     return lm
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark's options."""
-    parser.add_argument("--configs", default="10x32,32x128", help="NxT,NxT,...")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hf", action="store_true", help="also time AsyncTransformer")
-    parser.add_argument("--compile", action="store_true", help="let vLLM compile the model")
-    parser.add_argument("--interleave", action="store_true", help="a query during a sample")
-
-
-def run(args: argparse.Namespace) -> None:
+def run(args: Any) -> None:
     """Time the configurations (and the interleaved query)."""
     from genlm.backend import assets
 
     path = str(assets.smollm2())
     opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": not args.compile}
-    lm, hf = start_engine(path, **opts), None
+    lm, others = start_engine(path, **opts), {}
     if args.hf:
         from benchmarks.workload import load_hf
         from genlm.backend.llm.hf import AsyncTransformer
 
-        hf = AsyncTransformer(*load_hf(path))
-    for n, steps in parse_configs(args.configs):
-        trace = make_trace(n, steps, lm.vocab_size)
-        floor(lm, trace, n, steps)  # the CPU build makes its kernels for each new shape
-        runs = {"floor": [], "ours": [], "hf": []}
-        for _ in range(args.repeats):
-            stamps = floor(lm, trace, n, steps)
-            runs["floor"].append(stamps[-1][0] - stamps[0][0])
-            runs["ours"].append(run_backend(lm, trace, n, steps))
-            if hf is not None:
-                runs["hf"].append(run_backend(hf, trace, n, steps))
-        notes = {"AsyncTransformer s": median(runs["hf"])} if hf else {}
-        ours, floor_s, label = median(runs["ours"]), median(runs["floor"]), f"N={n}, T={steps}"
-        figure = Figure(f"vllm_smc/{n}x{steps}", label, "s", ours, floor_s, target="≤ 1.2× floor")
-        record(replace(figure, notes=notes))
+        others["AsyncTransformer"] = AsyncTransformer(*load_hf(path))
+
+    def whole_run(trace: Trace, n: int, steps: int) -> tuple[float, float]:
+        return timed(partial(floor, lm, trace, n, steps))[:2]
+
+    smc_figures(
+        "vllm_smc/{n}x{steps}",
+        "N={n}, T={steps}",
+        lm,
+        whole_run,
+        args.configs,
+        args.repeats,
+        target="≤ 1.2× floor",
+        others=others,
+        warm_up=True,  # the CPU build makes its kernels for each new shape
+    )
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
         alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from benchmarks.core import Figure, in_child, median, record
 
+OPTIONS: dict = {}
+
 PROMPTS = [[1, 504, 3458, 282], [5, 6, 7, 8, 9, 10, 11], [42], list(range(300, 360))]
 
 
@@ -52,10 +54,6 @@ def child(model: str, workers: int, rows_file: str) -> dict:
     result["SMC s"] = time.perf_counter() - begin
     lm.cleanup()
     return result
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """This benchmark has no options."""
 
 
 def run(args: argparse.Namespace) -> None:

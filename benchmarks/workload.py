@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from statistics import median
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-from benchmarks.core import timed
+from benchmarks.core import Figure, compare, record, timed
 
 PROMPT_LENGTH, RESAMPLE_EVERY, CHECKED = 64, 5, 12
 Stamp = tuple[float, ...]
@@ -106,10 +107,61 @@ async def smc(lm: Any, trace: Trace, n: int, steps: int, use_cache_kv: bool = Fa
     return sampled
 
 
-def run_backend(lm: Any, trace: Trace, n: int, steps: int, use_cache_kv: bool = False):
-    """Wall seconds, CPU seconds and the checked results of the SMC through `lm`, cold."""
+def run_backend(lm: Any, trace: Trace, n: int, steps: int, cache_kv=False, sampled=None):
+    """Wall and CPU seconds of the SMC through `lm`, its caches cleared first (vLLM's prefix
+    cache too); the checked rows go into the dict `sampled`."""
     lm.clear_cache()
-    return timed(lambda: asyncio.run(smc(lm, trace, n, steps, use_cache_kv)))
+    if hasattr(lm, "llm_engine"):
+        lm.llm_engine.reset_prefix_cache()
+    wall, cpu, rows = timed(lambda: asyncio.run(smc(lm, trace, n, steps, cache_kv)))
+    (sampled if sampled is not None else {}).update(rows)
+    return wall, cpu
+
+
+def smc_figures(
+    figure_id: str,
+    label: str,
+    lm: Any,
+    floor: Callable,
+    configs: str,
+    repeats: int,
+    *,
+    target: str,
+    others: dict | None = None,
+    cache_kv: bool = False,
+    warm_up: bool = False,
+) -> None:
+    """Record the SMC through `lm` against `floor(trace, n, steps)` (wall and CPU seconds)
+    on every configuration, alternated; other backends' seconds in the notes.
+
+    Args:
+        figure_id: The row id, formatted with `n` and `steps`.
+        label: The row's workload, formatted likewise.
+        lm: The backend.
+        floor: The floor of a configuration.
+        configs: `NxT,NxT,...`.
+        repeats: Runs of each.
+        target: The row's target.
+        others: Name -> another backend, timed alongside.
+        cache_kv: Whether each backend run starts with `cache_kv(prompt)`.
+        warm_up: Whether an untimed round runs first.
+    """
+    others = others or {}
+    for n, steps in parse_configs(configs):
+        trace, sampled = make_trace(n, steps, lm.vocab_size), {}
+        runs = {"floor": partial(floor, trace, n, steps)}
+        runs["ours"] = partial(run_backend, lm, trace, n, steps, cache_kv, sampled)
+        for name, other in others.items():
+            runs[name] = partial(run_backend, other, trace, n, steps, cache_kv)
+        seconds = compare(runs, repeats, warm_up)
+        notes = {f"{name} s": seconds[name][0] for name in others}
+        notes |= {f"ours / {name}": seconds["ours"][0] / seconds[name][0] for name in others}
+        notes["CPU s, " + " / ".join(runs)] = tuple(seconds[name][1] for name in runs)
+        if hasattr(lm, "next_token_logprobs_uncached"):
+            notes["max error"] = max_error(sampled, lm.next_token_logprobs_uncached)
+        ours, theirs = seconds["ours"][0], seconds["floor"][0]
+        row_id, text = (template.format(n=n, steps=steps) for template in (figure_id, label))
+        record(Figure(row_id, text, "s", ours, theirs, target=target, notes=notes))
 
 
 def max_error(sampled: dict, reference: Callable[[list[int]], torch.Tensor]) -> float:

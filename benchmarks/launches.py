@@ -1,12 +1,10 @@
 """A launch budget counted on the CPU: what a GPU would feel of an SMC step.
 
 Per steady step (median of steps 4..T-2), SmolLM2-135M, one torch thread: operations
-reaching a kernel (views, allocations, metadata changes excluded), host syncs (operators
+reaching a kernel (not views, allocations, metadata changes), host syncs (operators
 tagged `data_dependent_output` or `dynamic_output_shape`, masked `index`) and bytes
 written, `AsyncTransformer` against `workload.run_reference`, N=32: `lockstep`,
-`critic` (`scoring`'s `PromptedLLM` critic; against the floor's lockstep step) and
-`resample` (every step). Targets (issue 32): lockstep ≤ the floor's operations and bytes,
-no sync; critic ≤ 2.15× the floor. `--names`: operators where the two differ most.
+`critic` (`scoring`'s critic; floor: the lockstep one) and `resample` (every step).
 """
 
 import argparse
@@ -23,7 +21,6 @@ from benchmarks.core import Figure, median, record
 from benchmarks.scoring import CriticRun, critic_setup
 
 OPTIONS = {"n": (32, "particles"), "steps": 32, "workloads": "lockstep,critic,resample"}
-OPTIONS["names"] = (False, "operators by name, per workload")
 
 aten = torch.ops.aten
 FIRST_STEADY_STEP = 4
@@ -52,7 +49,6 @@ class LaunchCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.operations = self.syncs = self.bytes = 0
-        self.by_name: Counter[str] = Counter()
         self.sync_names: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs=None) -> Any:
@@ -60,7 +56,6 @@ class LaunchCounter(TorchDispatchMode):
         if func.is_view or func in NO_KERNEL:
             return out
         self.operations += 1
-        self.by_name[func.name()] += 1
         self.bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if func in MASK_INDEXING:  # tagged for their mask form only
             masked = any(
@@ -86,12 +81,11 @@ def critic_costs(lm: Any, trace: workload.Trace, n: int, steps: int, clock: Any)
     return asyncio.run(CriticRun(lm, critic, trace, tokens, clock).steps(n, steps))[1:-1]
 
 
-def count(run: Any, *args: Any, names: list[str] | None = None) -> tuple[tuple, LaunchCounter]:
-    """Medians over the steady steps of `run(*args, clock)`'s counts (or per name in `names`)."""
+def count(run: Any, *args: Any) -> tuple[tuple, LaunchCounter]:
+    """Medians over the steady steps of `run(*args, clock)`'s counts, and the counter."""
     counter = LaunchCounter()
-    clock = counter.read if names is None else lambda: tuple(counter.by_name[n] for n in names)
     with counter:
-        costs = run(*args, clock)[FIRST_STEADY_STEP - 1 :]
+        costs = run(*args, counter.read)[FIRST_STEADY_STEP - 1 :]
     return tuple(median(cost[i] for cost in costs) for i in range(len(costs[0]))), counter
 
 
@@ -112,10 +106,8 @@ def run(args: argparse.Namespace) -> None:
     floors = {}
     for name in args.workloads.split(","):
         kind = "resample" if name == "resample" else "lockstep"  # the critic's: lockstep
-        trace, backend = (
-            traces[kind],
-            critic_costs if name == "critic" else workload.stamped_backend,
-        )
+        trace = traces[kind]
+        backend = critic_costs if name == "critic" else workload.stamped_backend
         if kind not in floors:
             floors[kind] = count(workload.stamped_floor, model, trace, n, steps)[0]
         floor = floors[kind]
@@ -128,11 +120,4 @@ def run(args: argparse.Namespace) -> None:
         label = f"{name}, N={n}, T={steps}"
         target = TARGETS.get(name, "")
         record(Figure(f"launches/{name}", label, "ops", ops, floor[0], target=target, notes=notes))
-        if args.names:
-            names = sorted(counter.by_name)
-            ours = count(backend, lm, trace, n, steps, names=names)[0]
-            theirs = count(workload.stamped_floor, model, trace, n, steps, names=names)[0]
-            rows = sorted(zip(names, ours, theirs, strict=True), key=lambda r: -abs(r[1] - r[2]))
-            for operator, a, b in rows[:12]:
-                print(f"    {operator:<40} ours {a:>6.0f}  floor {b:>6.0f} per step")
     print("MLX: not counted (its operations do not reach torch's dispatcher).")

@@ -32,7 +32,8 @@ def child(kind: str, n: int, steps: int, threads: int, backend_opts: dict) -> di
             from genlm.backend.llm.hf import AsyncTransformer
 
             lm = AsyncTransformer(model, tokenizer, **backend_opts)
-            result["seconds"], _, sampled = workload.run_backend(lm, trace, n, steps)
+            sampled = {}
+            result["seconds"] = workload.run_backend(lm, trace, n, steps, False, sampled)[0]
     result["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if kind == "backend":
         result["error"] = workload.max_error(sampled, lm.next_token_logprobs_uncached)

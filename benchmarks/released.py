@@ -1,12 +1,9 @@
 """This project against the released genlm-backend 0.3.1, alternating fresh processes.
 
-0.3.1 lives alone in a folder (`--released`; by default installed with `pip --no-deps`
-into `~/.cache/genlm-backend/released-0.3.1`); each measurement runs in a fresh process
-importing `genlm.backend` from there or from this checkout (checked). Parts: `hf` (the
-workload per step: defaults, after `cache_kv(prompt)`, `batch_size=N`, and the floor in
-the same process), `trie` (both classes; only the tries' 0.3.1 cells come from here),
-`clients` (genlm-control's and llamppl's own programs end to end, seeded: both versions
-must do the same work) and `scoring` (`scoring`'s both parts). Medians over processes.
+0.3.1 lives alone in a folder (`core.released_folder`). Parts: `hf` (the workload per
+step: defaults, after `cache_kv(prompt)`, `batch_size=N`; the floor in each process),
+`trie` (the tries' 0.3.1 cells), `clients` (genlm-control's and llamppl's programs end
+to end, seeded: both versions must do the same work) and `scoring`. Medians.
 """
 
 import argparse
@@ -61,7 +58,8 @@ def child_hf(model: str, configs: str, threads: int) -> dict:
         for name, (_, batch_size, cache_kv) in SETTINGS.items():
             lm.batch_size = default if batch_size is None else batch_size or n
             stamped = w.Stamped(lm, "next_token_logprobs", n, w.wall_clock)
-            sampled = w.run_backend(stamped, trace, n, steps, cache_kv)[2]
+            sampled = {}
+            w.run_backend(stamped, trace, n, steps, cache_kv, sampled)
             row[name] = 1e3 * w.median_of(w.step_costs(stamped.stamps))
         row["error"] = w.max_error(sampled, lm.next_token_logprobs_uncached)
     return figures

@@ -271,3 +271,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs=None) -> Any:
         self.counts[func.name()] += 1
         return func(*args, **(kwargs or {}))
+
+    def read(self) -> Stamp:
+        """The operators counted so far, as a stamp."""
+        return (self.counts.total(),)

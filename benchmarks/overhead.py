@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> None:
                 name = "transformers" if backend == "hf" else "vLLM"
                 label = f"{name}, {ARCHITECTURES[arch]}, N={n}" + (f", T={steps}" * (steps != 32))
                 figure_id, target = f"overhead/{arch}/{backend}/{n}x{steps}", "≤ +1 ms"
-                record(Figure(figure_id, label, "+ms", ours[0], floor[0], target, notes=notes))
+                record(
+                    Figure(figure_id, label, "+ms", ours[0], floor[0], target=target, notes=notes)
+                )
             if backend == "vllm":
                 lm.cleanup()

@@ -44,23 +44,35 @@ async def rows_through_cache(
     keys: Sequence[Hashable],
     compute: Callable[[int], Awaitable[torch.Tensor]],
 ) -> torch.Tensor:
-    """The rows of `keys` in one new tensor: cached ones copied in one go, the rest computed.
+    """The rows of `keys` in one new tensor, copied from the output cache at once.
+
+    The rows not cached are computed first (awaited concurrently; the backend
+    stores them in `cache`), the cached ones marked recently used meanwhile.
+    Then every row is copied out of `cache` in one operation per run of rows
+    stored apart, not one per row. Rows the cache no longer holds (evicted
+    while the others were computed, or never stored) are computed again if
+    needed and copied one by one.
 
     Args:
         cache: The backend's output cache.
         keys: One cache key per row.
-        compute: `compute(i)` gives the row of `keys[i]` (e.g. a batcher's
-            `submit`); the rows not cached are awaited concurrently.
+        compute: `compute(i)` gives the row of `keys[i]` (e.g. a batcher's `submit`).
 
     Returns:
         A 2-D tensor, row `i` for `keys[i]`.
     """
-    rows, missing = cache.get_rows(keys)
-    computed = await asyncio.gather(*(compute(i) for i in missing))
+
+    async def computed_rows(indices: list[int]) -> dict[int, torch.Tensor]:
+        results = await asyncio.gather(*(compute(i) for i in indices))
+        return dict(zip(indices, results, strict=True))
+
+    computed = await computed_rows(cache.touch(keys))
+    rows, lost = cache.get_rows(keys)
+    computed.update(await computed_rows([i for i in lost if i not in computed]))
     if rows is None:
-        return torch.stack(computed)
-    for i, row in zip(missing, computed, strict=True):
-        rows[i].copy_(row)
+        return torch.stack([computed[i] for i in range(len(keys))])
+    for i in lost:
+        rows[i].copy_(computed[i])
     return rows
 
 

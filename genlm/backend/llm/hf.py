@@ -17,7 +17,7 @@ import torch
 
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
-from genlm.backend.llm.base import AsyncLM, check_token_ids
+from genlm.backend.llm.base import AsyncLM, check_token_ids, rows_through_cache
 from genlm.backend.llm.hf_forward import ForwardPasses
 from genlm.backend.llm.hf_query import Query
 
@@ -275,21 +275,8 @@ class AsyncTransformer(AsyncLM):
         if not queries:
             return torch.empty((0, self.vocab_size))
         keys = [query.key for query in queries]
-        computed = await self._compute(queries, self.output_cache.touch(keys))
-        rows, lost = self.output_cache.get_rows(keys)
-        # Rows the output cache does not hold now: evicted (or never stored, if it
-        # cannot hold them) while the batch ran.
-        computed.update(await self._compute(queries, [i for i in lost if i not in computed]))
-        if rows is None:
-            return torch.stack([computed[i] for i in range(len(queries))])
-        for i in lost:
-            rows[i].copy_(computed[i])
-        return rows
-
-    async def _compute(self, queries: list[Query], indices: list[int]) -> dict[int, torch.Tensor]:
-        """The results of `queries[i]` for each `i` in `indices`, from batches."""
-        results = await asyncio.gather(*(self._batcher.submit(queries[i]) for i in indices))
-        return dict(zip(indices, results, strict=True))
+        submit = self._batcher.submit
+        return await rows_through_cache(self.output_cache, keys, lambda i: submit(queries[i]))
 
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], lora_name: str | None = None

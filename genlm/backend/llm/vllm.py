@@ -305,8 +305,9 @@ class AsyncVirtualLM(AsyncLM):
     ) -> torch.Tensor:
         """Next-token log-probabilities of several contexts: one batch with whatever else waits.
 
-        Cached rows are copied in one go; the contexts that are prefixes of a
-        longer one share its request (see the class).
+        The contexts without a cached result join one batch (those that are
+        prefixes of a longer one share its request, see the class); then every
+        row is copied out of the output cache at once (see `rows_through_cache`).
 
         Args:
             token_ids_list: The contexts (may be empty).

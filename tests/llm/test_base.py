@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from genlm.backend.llm.base import AsyncLM, MockAsyncLM, check_token_ids
+from genlm.backend.cache import OutputCache
+from genlm.backend.llm.base import AsyncLM, MockAsyncLM, check_token_ids, rows_through_cache
 
 CONTEXTS = [[0], [1, 2, 3], [50256, 11, 290], [3, 2, 1]]
 
@@ -131,6 +132,39 @@ async def test_results_belong_to_the_caller(mock):
     first.fill_(0.0)
     assert torch.equal(await mock.next_token_logprobs(CONTEXTS[2]), expected)
     assert torch.equal(mock.batch_next_token_logprobs_sync(CONTEXTS[2:3])[0], expected)
+
+
+# -- a batch read through the output cache ---------------------------------------------
+
+
+def computing_into(cache: OutputCache, step: torch.Tensor, keys: list, rows: list[int]):
+    """A backend's `compute` whose row for `keys[i]` is row `rows[i]` of one step's tensor."""
+
+    async def compute(i: int) -> torch.Tensor:
+        cache[keys[i]] = step[rows[i]]
+        return step[rows[i]]
+
+    return compute
+
+
+async def test_rows_computed_for_a_call_are_its_result_in_key_order():
+    keys = ["a", "b", "c", "d"]
+    for rows in ([0, 1, 2, 3], [2, 0, 3, 1]):
+        step = torch.randn(4, 6)
+        expected, cache = step[rows], OutputCache(10)
+        result = await rows_through_cache(cache, keys, computing_into(cache, step, keys, rows))
+        assert torch.equal(result, expected)
+        result.fill_(0.0)  # the caller's: the cached rows stay as computed
+        assert torch.equal(torch.stack([cache[key] for key in keys]), expected)
+
+
+async def test_rows_of_a_tensor_that_holds_other_rows_are_copied():
+    step, keys = torch.randn(4, 6), ["a", "b", "c"]
+    expected = step.clone()
+    cache = OutputCache(10)
+    result = await rows_through_cache(cache, keys, computing_into(cache, step, keys, [0, 1, 2]))
+    result.fill_(0.0)  # row 3 belongs to another caller
+    assert torch.equal(step, expected)
 
 
 # -- sampling -----------------------------------------------------------------------

@@ -190,6 +190,21 @@ async def test_all_prefixes_of_a_sequence_are_one_request(vllm_lm, reference, ro
     assert_matches(rows, torch.stack([reference(p) for p in prefixes]))
 
 
+async def test_all_prefixes_in_one_step_are_the_callers_rows(make_lm, reference, rounds):
+    # 20 tokens in one engine step: the rows of that step are the result as they are.
+    lm = make_lm(cache_size=100)
+    rounds.clear()  # its startup check
+    ids = list(range(700, 720))
+    prefixes = [ids[:i] for i in range(1, len(ids) + 1)]
+    expected = torch.stack([reference(p) for p in prefixes])
+    rows = await lm.batch_next_token_logprobs(prefixes)
+    assert rounds == [[tuple(ids)]]
+    assert_matches(rows, expected)
+    rows.fill_(0.0)  # the caller's to change: the output cache keeps what was computed
+    assert_matches(await lm.batch_next_token_logprobs(prefixes), expected)
+    assert len(rounds) == 1
+
+
 async def test_prefixes_in_the_prefix_cache_are_asked_again(vllm_lm, reference, rounds):
     # The whole 70-token sequence first: its two full 32-token blocks enter the prefix cache,
     # so a request for a longer sequence reads them from there and computes no row for the

@@ -48,10 +48,12 @@ async def rows_through_cache(
 
     The rows not cached are computed first (awaited concurrently; the backend
     stores them in `cache`), the cached ones marked recently used meanwhile.
-    Then every row is copied out of `cache` in one operation per run of rows
-    stored apart, not one per row. Rows the cache no longer holds (evicted
-    while the others were computed, or never stored) are computed again if
-    needed and copied one by one.
+    When every row was computed, they are the result (`stack_rows`: the
+    backend's tensor itself when they are all its rows, in order). Otherwise
+    every row is copied out of `cache` in one operation per run of rows stored
+    apart, not one per row. Rows the cache no longer holds (evicted while the
+    others were computed, or never stored) are computed again if needed and
+    copied one by one.
 
     Args:
         cache: The backend's output cache.
@@ -67,6 +69,8 @@ async def rows_through_cache(
         return dict(zip(indices, results, strict=True))
 
     computed = await computed_rows(cache.touch(keys))
+    if keys and len(computed) == len(keys):
+        return stack_rows([computed[i] for i in range(len(keys))])
     rows, lost = cache.get_rows(keys)
     computed.update(await computed_rows([i for i in lost if i not in computed]))
     if rows is None:
@@ -74,6 +78,26 @@ async def rows_through_cache(
     for i in lost:
         rows[i].copy_(computed[i])
     return rows
+
+
+def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`rows` (one shape, dtype and device) as one tensor, row `i` being `rows[i]`.
+
+    When the rows are, in this order, all the rows of one tensor (a backend's
+    result for exactly these contexts), that tensor is returned without a copy:
+    give only rows the caller owns. Otherwise they are stacked into a new one.
+    """
+    first = rows[0]
+    row_numel, storage = first.numel(), first.untyped_storage()
+    whole = storage.nbytes() == len(rows) * row_numel * first.element_size()
+    for i, row in enumerate(rows if whole else ()):
+        same_memory = row.untyped_storage().data_ptr() == storage.data_ptr()
+        if not (same_memory and row.is_contiguous() and row.storage_offset() == i * row_numel):
+            whole = False
+            break
+    if not whole:
+        return torch.stack(rows)
+    return first.as_strided((len(rows), *first.shape), (row_numel, *first.stride()), 0)
 
 
 def check_token_ids(

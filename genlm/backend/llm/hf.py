@@ -257,7 +257,8 @@ class AsyncTransformer(AsyncLM):
         of a context that grew by a token computes only the new prefix. Then
         every row is copied from the output cache, where the computed ones were
         stored, into the returned tensor at once (one operation per run of rows
-        stored apart, not one per row).
+        stored apart, not one per row); when every row was computed by one pass
+        that computed nothing else, that pass's tensor is returned as it is.
 
         Args:
             token_ids_list: The contexts (may be empty).

@@ -45,6 +45,7 @@ from genlm.backend.llm.base import (
     check_sampling_args,
     check_token_ids,
     rows_through_cache,
+    stack_rows,
     with_default_output_cache,
 )
 from genlm.backend.llm.vllm_engine import close_engine_loop, engine_loop, then
@@ -306,8 +307,9 @@ class AsyncVirtualLM(AsyncLM):
         """Next-token log-probabilities of several contexts: one batch with whatever else waits.
 
         The contexts without a cached result join one batch (those that are
-        prefixes of a longer one share its request, see the class); then every
-        row is copied out of the output cache at once (see `rows_through_cache`).
+        prefixes of a longer one share its request, see the class); the rows
+        are then put into one tensor, in as few copies as they allow (none when
+        they are all of one engine step's: see `rows_through_cache`).
 
         Args:
             token_ids_list: The contexts (may be empty).
@@ -382,7 +384,7 @@ class AsyncVirtualLM(AsyncLM):
         distinct = list(dict.fromkeys(queries))
         computed = raise_first_error(self._run_logprobs(distinct).result())
         rows = dict(zip(distinct, computed, strict=True))
-        return torch.stack([rows[query] for query in queries])
+        return stack_rows([rows[query] for query in queries])
 
     async def sample(
         self,
@@ -626,7 +628,11 @@ class AsyncVirtualLM(AsyncLM):
         requests = []
         for chain in plan:
             lora, ids = queries[chain.members[0]]
-            prompt_rows = [(len(queries[i][1]) - 1, tags[i]) for i in chain.members[1:]]
+            # Every member's row, the first one's too, in query order: one tensor of rows
+            # per engine step, which is the caller's result as it is when the queries are
+            # all of a call's (see `rows_through_cache`).
+            members = sorted(chain.members) if len(chain.members) > 1 else []
+            prompt_rows = [(len(queries[i][1]) - 1, tags[i]) for i in members]
             requests.append(
                 captured_request(
                     ids,

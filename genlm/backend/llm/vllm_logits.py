@@ -155,11 +155,18 @@ class GlobalLogprobsCapture:
         Unlike `record`, this leaves the latest batch (`get_all_logprobs`) as it was.
 
         Args:
-            logits: A 2-D tensor, one row per tag.
+            logits: A 2-D tensor, one row per tag, made outside inference mode
+                and handed over: float32 logits on the CPU are overwritten by
+                their log-softmax (exact there, the CPU kernel reads a row before
+                writing it; a fresh tensor would cost as much in page faults as
+                the work).
             tags: The capture tag of each row.
         """
+        in_place = logits.is_cpu and logits.dtype == torch.float32
         with torch.inference_mode(False):
-            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            logprobs = torch.log_softmax(
+                logits, dim=-1, dtype=torch.float32, out=logits if in_place else None
+            )
         with self._lock:
             for row, tag in enumerate(tags):
                 self._rows_by_tag[tag] = (logprobs, row)
@@ -372,7 +379,9 @@ class PromptRowsHook:
         positions, tags = self._rows_asked(num_scheduled_tokens)
         if positions:
             index = torch.tensor(positions, device=hidden_states.device)
-            logits = self.logits(hidden_states.index_select(0, index))
+            # Outside inference mode: the rows reach callers, who may change them in place.
+            with torch.inference_mode(False), torch.no_grad():
+                logits = self.logits(hidden_states.index_select(0, index))
             if logits is not None:  # None: a worker the gathered logits do not reach
                 self.capture.record_tagged(logits, tags)
         return self.inner(hidden_states, num_scheduled_tokens)

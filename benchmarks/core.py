@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -24,11 +24,8 @@ RESULT = "RESULT "  # prefix of the line on which a child prints its result
 COLUMNS = {"ours": "this project", "floor": "floor", "ratio_floor": "÷ floor"}
 COLUMNS |= {"released": "0.3.1", "ratio_released": "÷ 0.3.1"}
 Value = float | tuple[float, ...]
-HELP = {
-    "configs": "NxT,NxT,...: particles x steps",
-    "repeats": "runs of each measurement (medians)",
-    "threads": "torch threads (0: torch's)",
-}
+HELP = {"configs": "NxT,NxT,...: particles x steps", "threads": "torch threads (0: torch's)"}
+HELP["repeats"] = "runs of each measurement (medians)"
 
 
 @dataclass
@@ -124,15 +121,10 @@ def record(figure: Figure) -> None:
     print(f"{figure.workload[:55]:<56}{line}  {'; '.join(notes)}", flush=True)
 
 
-def write_figures(path: Path) -> None:
-    """Write the recorded figures as JSON (what `all` reads back)."""
-    path.write_text(json.dumps({"figures": [asdict(f) for f in FIGURES]}, indent=1))
-
-
-def timed(function: Callable[[], Any]) -> tuple[float, float, Any]:
-    """Wall and process CPU seconds of one call, and its result."""
+def timed(function: Callable[..., Any], *args: Any) -> tuple[float, float, Any]:
+    """Wall and process CPU seconds of `function(*args)`, and its result."""
     wall, cpu = time.perf_counter(), time.process_time()
-    result = function()
+    result = function(*args)
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
@@ -209,14 +201,9 @@ def released_folder(folder: str | None = None) -> Path:
 
 
 def add_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
-    """Add a command's `options` to `parser`.
-
-    Args:
-        parser: The command's parser.
-        options: Option name (`skip_hf` for `--skip-hf`) -> its default, or (default,
-            help). False: a flag; a list: its choices, the first the default; a dict: JSON;
-            None: a string. `HELP` holds the common options' help.
-    """
+    """Add a command's `options` (`skip_hf` for `--skip-hf`) -> default, or (default,
+    help; `HELP` has the common ones): False for a flag, a list of choices (the first the
+    default), a dict for JSON, None for a string."""
     for name, value in options.items():
         default, text = value if isinstance(value, tuple) else (value, HELP.get(name))
         flag, kind = "--" + name.replace("_", "-"), type(default)
@@ -229,10 +216,9 @@ def add_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> Non
             parser.add_argument(flag, type=kind, default=default, help=text)
 
 
-def set_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads (0 or None: leave torch's default); the count in use."""
+def set_threads(threads: int | None) -> None:
+    """Set torch's intra-op threads (0 or None: leave torch's default)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    return torch.get_num_threads()

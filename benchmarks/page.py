@@ -20,19 +20,14 @@ PAGE = ROOT / "docs" / "performance.md"
 IMAGE = ROOT / "docs" / "images" / "performance.png"
 BEGIN = "<!-- performance-table: begin (written by `python -m benchmarks page`) -->"
 END = "<!-- performance-table: end -->"
-CELLS = ["workload", "ours", "released", "floor"]
-CELLS += ["ratio_floor", "released_floor", "ratio_released", "measured"]
 RATIOS = ("ratio_floor", "released_floor", "ratio_released")
 RELEASED_CELLS = ("released", "released_floor", "ratio_released")
 
 
 def ratio_values(cell: str | None) -> list[tuple[float, float]]:
     """The (low, high) of each alternative of a ratio cell: "0.9–1.1" or "0.12 / 0.06"."""
-    spans = []
-    for alternative in cell.split(" / ") if cell else []:
-        low, _, high = alternative.partition("–")
-        spans.append((float(low), float(high or low)))
-    return spans
+    alternatives = [alternative.partition("–") for alternative in cell.split(" / ")] if cell else []
+    return [(float(low), float(high or low)) for low, _, high in alternatives]
 
 
 def ratio_text(cell: str | None) -> str:
@@ -49,12 +44,13 @@ def cell(row: dict, key: str) -> str:
 
 def table(data: dict) -> str:
     """The page's first table, in Markdown (groups without rows are left out)."""
-    lines = [[data["columns"][key] for key in CELLS], ["---"] * len(CELLS)]
+    columns = data["columns"]  # cell name -> header, in the table's order
+    lines = [list(columns.values()), ["---"] * len(columns)]
     for group in (group for group in data["groups"] if group["rows"]):
         header = {"workload": f"**{group['name']}**", "measured": group.get("measured", "")}
         header["floor"] = f"*{group['floor']}*" if group.get("floor") else ""
-        lines.append([header.get(key, "") for key in CELLS])
-        lines += [[cell(row, key) for key in CELLS] for row in group["rows"]]
+        lines.append([header.get(key, "") for key in columns])
+        lines += [[cell(row, key) for key in columns] for row in group["rows"]]
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 

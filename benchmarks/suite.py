@@ -86,15 +86,8 @@ def machine(device: str) -> dict:
     dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
     found["commit"] = commit.stdout.strip() + " with changes" * bool(dirty.stdout.strip())
     if device != "cpu":
-        found["gpu"] = in_child("benchmarks.suite:gpu_name", device=device)
+        found["gpu"] = in_child("torch.cuda:get_device_name", device=device)  # no torch here
     return found
-
-
-def gpu_name(device: str) -> str:
-    """The name of the CUDA device (run in a child: this process imports no torch)."""
-    import torch
-
-    return torch.cuda.get_device_name(device)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,16 +50,16 @@ def build_model(folder: str, shape: dict[str, int], dtype: torch.dtype, device: 
     tokenizer.save_pretrained(folder)
 
 
-def step_median(stamped: Callable, *args: Any) -> Callable[[], float]:
-    """A run of `stamped(*args)` that gives the median of its per-step costs."""
-    return lambda: workload.median_of(stamped(*args))
-
-
 def free(device: str) -> None:
     """Collect garbage and hand cached device memory back."""
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def median_step(stamped: Callable[[], list]) -> float:
+    """The median per-step cost of one run of `stamped()`."""
+    return workload.median_of(stamped())
 
 
 def run(args: Any) -> None:
@@ -73,13 +74,13 @@ def run(args: Any) -> None:
             torch.cuda.synchronize(device)
         return (time.perf_counter(),)
 
-    def per_step_ms(runs: dict[str, Any]) -> dict[str, float]:
-        ms = compare(runs, args.repeats, warm_up=True)  # median over steps, then repeats
-        return {name: 1e3 * value for name, value in ms.items()}
-
-    def figure(key: str, text: str, ms: dict, notes: dict | None = None) -> None:
+    def figure(key: str, text: str, runs: dict[str, Callable], notes: dict) -> None:
+        """Record ms per step of `runs` (median over steps, then repeats); others in notes."""
+        steps = {name: partial(median_step, run) for name, run in runs.items()}
+        ms = {k: 1e3 * v for k, v in compare(steps, args.repeats, warm_up=True).items()}
+        notes = {f"{k}, ms": v for k, v in ms.items() if k not in ("ours", "floor")} | notes
         text += f" (target {TARGETS[key]} ms on an H100)" if cuda and not args.tiny else ""
-        record(Figure(f"gpu/{key}", text, "ms", ms["ours"], ms["floor"], notes=notes or {}))
+        record(Figure(f"gpu/{key}", text, "ms", ms["ours"], ms["floor"], notes=notes))
 
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder, TINY if args.tiny else FULL, dtype, device)
@@ -90,9 +91,9 @@ def run(args: Any) -> None:
             lm = AsyncTransformer(model, tokenizer)
             for steps in (64, 256):
                 trace = workload.make_trace(N, steps, lm.vocab_size)
-                runs = {"floor": step_median(workload.stamped_floor, model, trace, N, steps, clock)}
-                runs["ours"] = step_median(workload.stamped_backend, lm, trace, N, steps, clock)
-                figure(f"hf/{steps}", f"transformers, T={steps}", per_step_ms(runs))
+                runs = {"floor": partial(workload.run_reference, model, trace, N, steps, clock)}
+                runs["ours"] = partial(workload.stamped_backend, lm, trace, N, steps, clock)
+                figure(f"hf/{steps}", f"transformers, T={steps}", runs, {})
             del model, lm
             free(device)
         if args.skip_vllm:
@@ -111,16 +112,10 @@ def run(args: Any) -> None:
             lm = start_engine(folder, **base, **extra)
             runner = "V2" if lm.llm_engine.llm_engine.vllm_config.use_v2_model_runner else "V1"
             trace = workload.make_trace(N, 64, lm.vocab_size)
-
-            def floor_steps(capture: bool, lm: Any = lm, trace: Any = trace) -> list:
-                return workload.step_costs(floor(lm, trace, N, 64, clock, capture)[:-1])
-
-            runs = {"floor": step_median(floor_steps, False)}
-            runs["+capture"] = step_median(floor_steps, True)
-            runs["ours"] = step_median(workload.stamped_backend, lm, trace, N, 64, clock)
-            ms = per_step_ms(runs)
+            runs = {"floor": partial(floor, lm, trace, N, 64, clock, capture=False)}
+            runs["floor with the capture"] = partial(floor, lm, trace, N, 64, clock)
+            runs["ours"] = partial(workload.stamped_backend, lm, trace, N, 64, clock)
+            figure(key, text, runs, {"model runner": runner})
             lm.cleanup()
             del lm
             free(device)
-            notes = {"floor with the capture, ms": ms["+capture"], "model runner": runner}
-            figure(key, text, ms, notes)

@@ -10,6 +10,7 @@ written, `AsyncTransformer` against `workload.run_reference`, N=32: `lockstep`,
 import argparse
 import asyncio
 from collections import Counter
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -25,19 +26,12 @@ OPTIONS = {"n": (32, "particles"), "steps": 32, "workloads": "lockstep,critic,re
 aten = torch.ops.aten
 FIRST_STEADY_STEP = 4
 TARGETS = {"lockstep": "≤ 1× floor, no host sync", "critic": "≤ 2.15× floor"}
-NO_KERNEL = frozenset(
-    {
-        aten._unsafe_view.default,
-        aten.empty.memory_format,
-        aten.empty_strided.default,
-        aten.new_empty.default,
-        aten.new_empty_strided.default,
-        aten.empty_like.default,
-        aten.resize_.default,
-        aten.set_.source_Storage_storage_offset,
-        aten.set_.source_Tensor,
-        aten._has_compatible_shallow_copy_type.default,
-    }
+NO_KERNEL = frozenset(  # operators that reach no kernel (views are told by `is_view`)
+    attrgetter(name)(aten)
+    for name in """_unsafe_view.default empty.memory_format empty_strided.default
+    new_empty.default new_empty_strided.default empty_like.default resize_.default
+    set_.source_Tensor set_.source_Storage_storage_offset
+    _has_compatible_shallow_copy_type.default""".split()
 )
 SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 MASK_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default})
@@ -58,13 +52,10 @@ class LaunchCounter(TorchDispatchMode):
         self.operations += 1
         self.bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         if func in MASK_INDEXING:  # tagged for their mask form only
-            masked = any(
-                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-                for i in args[1]
-            )
+            syncs = any(getattr(i, "dtype", None) in (torch.bool, torch.uint8) for i in args[1])
         else:
-            masked = any(tag in func.tags for tag in SYNC_TAGS)
-        if masked:
+            syncs = any(tag in func.tags for tag in SYNC_TAGS)
+        if syncs:
             self.syncs += 1
             self.sync_names[func.name()] += 1
         return out
@@ -92,13 +83,11 @@ def count(run: Any, *args: Any) -> tuple[tuple, LaunchCounter]:
 def run(args: argparse.Namespace) -> None:
     """Count every workload and its floor."""
     from genlm.backend import assets, cache
-    from genlm.backend.llm.hf import AsyncTransformer
 
-    torch.set_num_threads(1)
     cache._MEMMOVE_DTYPES = frozenset()  # the output cache's copies through torch: counted
-    model, tokenizer = workload.load_hf(assets.smollm2(fetch=False))
-    lm, n, steps = AsyncTransformer(model, tokenizer), args.n, args.steps
-    base = workload.make_trace(n, steps, len(tokenizer))
+    model, lm = workload.transformer(assets.smollm2(fetch=False), threads=1)
+    n, steps = args.n, args.steps
+    base = workload.make_trace(n, steps, len(lm.tokenizer))
     generator = torch.Generator().manual_seed(2)
     every = {step: torch.randint(0, n, (n,), generator=generator).tolist() for step in range(steps)}
     traces = {"lockstep": workload.Trace(base.prompt, base.tokens, {}, base.checks)}
@@ -109,7 +98,7 @@ def run(args: argparse.Namespace) -> None:
         trace = traces[kind]
         backend = critic_costs if name == "critic" else workload.stamped_backend
         if kind not in floors:
-            floors[kind] = count(workload.stamped_floor, model, trace, n, steps)[0]
+            floors[kind] = count(workload.run_reference, model, trace, n, steps)[0]
         floor = floors[kind]
         (ops, syncs, written), counter = count(backend, lm, trace, n, steps)
         notes = {"host syncs, floor / ours": (floor[1], syncs)}
@@ -120,4 +109,3 @@ def run(args: argparse.Namespace) -> None:
         label = f"{name}, N={n}, T={steps}"
         target = TARGETS.get(name, "")
         record(Figure(f"launches/{name}", label, "ops", ops, floor[0], target=target, notes=notes))
-    print("MLX: not counted (its operations do not reach torch's dispatcher).")

@@ -1,39 +1,38 @@
 """Peak memory and time of `AsyncTransformer` at many particles, against the floor.
 
-SmolLM2-135M, the workload with N = 256, 1024, 2048 for T=8 steps, each measurement in
-a fresh process (`ru_maxrss`): the model alone, the floor, the backend (its defaults or
-`--backend-opts`). This process imports no torch.
+SmolLM2-135M, one torch thread, the workload with N = 256, 1024, 2048 for T=8 steps, each
+measurement in a fresh process (`ru_maxrss`): the model alone, the floor, the backend (its
+defaults or `--backend-opts`). This process imports no torch.
 """
 
 import resource
 from functools import partial
 from typing import Any
 
-from benchmarks.core import Figure, compare, in_child, record, set_threads
+from benchmarks.core import Figure, compare, in_child, record, set_threads, timed
 
-OPTIONS = {"sizes": "256,1024,2048", "steps": 8, "repeats": 1, "threads": 1}
+OPTIONS = {"sizes": "256,1024,2048"}
 OPTIONS["backend_opts"] = ({}, "AsyncTransformer's options, a JSON object")
+STEPS = 8
 TARGETS = {1024: "≤ floor + 2.5 GB, ≤ 1.1× its time", 2048: "≤ floor + 2.5 GB"}
 
 
-def child(kind: str, n: int, steps: int, threads: int, backend_opts: dict) -> dict:
+def child(kind: str, n: int, backend_opts: dict) -> dict:
     """One measurement (`model`, `floor` or `backend`): peak bytes, seconds, error."""
     from benchmarks import workload
     from genlm.backend import assets
 
-    set_threads(threads)
+    set_threads(1)
     model, tokenizer = workload.load_hf(assets.smollm2())
-    result = {}
-    if kind != "model":
-        trace = workload.make_trace(n, steps, len(tokenizer))
-        if kind == "floor":
-            result["seconds"], _ = workload.run_reference(model, trace, n, steps)
-        else:
-            from genlm.backend.llm.hf import AsyncTransformer
+    result, sampled = {}, {}
+    trace = workload.make_trace(n, STEPS, len(tokenizer)) if n else None
+    if kind == "floor":
+        result["seconds"] = timed(workload.run_reference, model, trace, n, STEPS)[0]
+    elif kind == "backend":
+        from genlm.backend.llm.hf import AsyncTransformer
 
-            lm = AsyncTransformer(model, tokenizer, **backend_opts)
-            sampled = {}
-            result["seconds"] = workload.run_backend(lm, trace, n, steps, False, sampled)[0]
+        lm = AsyncTransformer(model, tokenizer, **backend_opts)
+        result["seconds"] = workload.run_backend(lm, trace, n, STEPS, False, sampled)[0]
     result["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if kind == "backend":
         result["error"] = workload.max_error(sampled, lm.next_token_logprobs_uncached)
@@ -42,16 +41,14 @@ def child(kind: str, n: int, steps: int, threads: int, backend_opts: dict) -> di
 
 def run(args: Any) -> None:
     """Measure the model alone, then floor and backend at every size."""
-    options = {"steps": args.steps, "threads": args.threads, "backend_opts": args.backend_opts}
-    target = "benchmarks.memory:child"
-    base = in_child(target, kind="model", n=0, **options)["peak"] / 1e9
+    measure = partial(in_child, "benchmarks.memory:child", backend_opts=args.backend_opts)
+    base = measure(kind="model", n=0)["peak"] / 1e9
     sizes, times = [int(size) for size in args.sizes.split(",")], {}
     for n in sizes:
-        runs = {k: partial(in_child, target, kind=k, n=n, **options) for k in ("floor", "backend")}
-        results = compare(runs, args.repeats)
+        results = compare({k: partial(measure, kind=k, n=n) for k in ("floor", "backend")}, 1)
         peak = {k: result["peak"] / 1e9 for k, result in results.items()}
         times[n] = {k: result["seconds"] for k, result in results.items()}
-        label = f"peak memory, N={n}, T={args.steps}"
+        label = f"peak memory, N={n}, T={STEPS}"
         if n == sizes[0]:
             label += f" (model alone: {base:.2f} GB)"
         notes = {"s, floor / backend": (times[n]["floor"], times[n]["backend"])}

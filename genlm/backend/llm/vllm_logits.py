@@ -155,14 +155,14 @@ class GlobalLogprobsCapture:
         Unlike `record`, this leaves the latest batch (`get_all_logprobs`) as it was.
 
         Args:
-            logits: A 2-D tensor, one row per tag, made outside inference mode
-                and handed over: float32 logits on the CPU are overwritten by
-                their log-softmax (exact there, the CPU kernel reads a row before
+            logits: A 2-D tensor, one row per tag, handed over: float32 logits
+                on the CPU made outside inference mode are overwritten by their
+                log-softmax (exact there, the CPU kernel reads a row before
                 writing it; a fresh tensor would cost as much in page faults as
                 the work).
             tags: The capture tag of each row.
         """
-        in_place = logits.is_cpu and logits.dtype == torch.float32
+        in_place = logits.is_cpu and logits.dtype == torch.float32 and not logits.is_inference()
         with torch.inference_mode(False):
             logprobs = torch.log_softmax(
                 logits, dim=-1, dtype=torch.float32, out=logits if in_place else None

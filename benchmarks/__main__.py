@@ -6,6 +6,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from benchmarks import core
 
@@ -25,30 +26,53 @@ COMMANDS = {  # name -> (module, what it measures)
     "all": ("suite", "run what fits this machine; record it in docs/performance.json"),
     "page": ("page", "redraw the performance page's table and picture from its JSON"),
 }
+HELP = {"configs": "NxT,NxT,...: particles x steps", "threads": "torch threads (0: torch's)"}
+HELP["repeats"] = "runs of each measurement (medians)"
+
+
+def add_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
+    """Add a command's `options` (`skip_hf` for `--skip-hf`) -> default, or (default, help;
+    `HELP` has the common ones): False for a flag, a list of choices (the first the
+    default), a dict for JSON, None for a string."""
+    for name, value in options.items():
+        default, text = value if isinstance(value, tuple) else (value, HELP.get(name))
+        flag, kind = "--" + name.replace("_", "-"), type(default)
+        if default is False:
+            parser.add_argument(flag, action="store_true", help=text)
+        elif isinstance(default, list):
+            parser.add_argument(flag, choices=default, default=default[0], help=text)
+        else:
+            kind = {dict: json.loads, type(None): str}.get(kind, kind)
+            parser.add_argument(flag, type=kind, default=default, help=text)
+
+
+def child(target: str, arguments: str) -> None:
+    """The child's side of `core.in_child`: call the function, print its result."""
+    module, _, name = target.partition(":")
+    value = getattr(importlib.import_module(module), name)(**json.loads(arguments))
+    backend = sys.modules.get("genlm.backend")
+    print(core.RESULT + json.dumps({"module": backend and backend.__file__, "value": value}))
 
 
 def main(argv: list[str]) -> None:
     """Run the command `argv` names."""
-    if argv[:1] == ["child"]:  # a measurement in a fresh process (`core.in_child`)
-        return core.child_main(*argv[1:])
-    if not argv or argv[0] not in COMMANDS:
-        listing = "\n".join(f"  {name:<14}{text}" for name, (_, text) in COMMANDS.items())
-        parser = argparse.ArgumentParser(
-            prog="python -m benchmarks",
-            description=__doc__,
-            epilog=f"commands:\n{listing}\n\n`python -m benchmarks NAME --help`: its options.",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        parser.add_argument("name", choices=list(COMMANDS), metavar="NAME")
-        parser.parse_args(argv)
-    name = argv[0]
-    module = importlib.import_module(f"benchmarks.{COMMANDS[name][0]}")
+    if argv[:1] == ["child"]:  # a measurement in a fresh process
+        return child(*argv[1:])
+    name = argv[0] if argv else None
+    listing = "\n".join(f"  {name:<14}{text}" for name, (_, text) in COMMANDS.items())
+    module = (
+        importlib.import_module(f"benchmarks.{COMMANDS[name][0]}") if name in COMMANDS else None
+    )
     parser = argparse.ArgumentParser(
-        prog=f"python -m benchmarks {name}",
-        description=module.__doc__,
+        prog="python -m benchmarks" + f" {name}" * bool(module),
+        description=module.__doc__ if module else __doc__,
+        epilog=None if module else f"commands:\n{listing}\n\n`NAME --help`: its options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    core.add_options(parser, module.OPTIONS)
+    if module is None:
+        parser.add_argument("name", choices=list(COMMANDS), metavar="NAME")
+        parser.parse_args(argv)
+    add_options(parser, module.OPTIONS)
     if name not in ("all", "page"):
         parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv[1:])

@@ -3,8 +3,6 @@
 Nothing here imports torch, so that the memory benchmark's parent process stays small.
 """
 
-import argparse
-import importlib
 import json
 import math
 import os
@@ -24,19 +22,16 @@ RESULT = "RESULT "  # prefix of the line on which a child prints its result
 COLUMNS = {"ours": "this project", "floor": "floor", "ratio_floor": "÷ floor"}
 COLUMNS |= {"released": "0.3.1", "ratio_released": "÷ 0.3.1"}
 Value = float | tuple[float, ...]
-HELP = {"configs": "NxT,NxT,...: particles x steps", "threads": "torch threads (0: torch's)"}
-HELP["repeats"] = "runs of each measurement (medians)"
 
 
 @dataclass
 class Figure:
     """One measured figure: the row `id` (`group/row`) of the performance page's table.
 
-    `ours`, `floor` (timed in the same process) and `released` (0.3.1's; its own
-    process's floor in `released_floor`) are in `unit`; a tuple prints as alternatives
-    `a / b`. Unit `+ms` prints `ours` as its difference from `floor`; `%` has no ratio.
-    `notes` are further figures, printed and recorded but not in the table;
-    `released_only` figures refresh only the row's 0.3.1 cells.
+    `ours`, `floor` (timed in the same process) and `released` (0.3.1's; its own process's
+    floor in `released_floor`) are in `unit`, a tuple for alternatives `a / b`; unit `+ms`
+    prints `ours` less `floor`, `%` has no ratio. `notes`: further figures, not in the
+    table; `released_only` figures refresh only the row's 0.3.1 cells.
     """
 
     id: str
@@ -63,11 +58,16 @@ def number(value: float, unit: str = "") -> str:
     return f"{value:,.{max(0, 2 - math.floor(math.log10(abs(value))))}f}"
 
 
+def alternatives(value: Any) -> tuple:
+    """A value's alternatives: itself alone unless it is a tuple or a list."""
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
+
+
 def ratio(a: Value | None, b: Value | None) -> str | None:
     """`a / b` as a ratio cell, alternative by alternative; None when either is missing."""
     if a is None or b is None:
         return None
-    a, b = (x if isinstance(x, tuple | list) else (x,) for x in (a, b))
+    a, b = alternatives(a), alternatives(b)
     a, b = (a * len(b) if len(a) == 1 else a), (b * len(a) if len(b) == 1 else b)
     cells = []
     for x in (x / y for x, y in zip(a, b, strict=True)):
@@ -78,15 +78,13 @@ def ratio(a: Value | None, b: Value | None) -> str | None:
 
 def amount(value: Value, unit: str, sign: str = "") -> str:
     """A figure with its unit; alternatives as `a / b unit`."""
-    values = value if isinstance(value, tuple | list) else (value,)
-    text = " / ".join(f"{'+' if sign and v >= 0 else ''}{number(v, unit)}" for v in values)
+    text = " / ".join(f"{sign * (v >= 0)}{number(v, unit)}" for v in alternatives(value))
     return text + ("%" if unit == "%" else f" {unit}")
 
 
 def cells(f: Figure) -> dict[str, str]:
     """The figure's cells of the page's table (ratios without their `×`)."""
-    unit = f.unit.lstrip("+")
-    plus = f.unit.startswith("+")  # (scalars only)
+    unit, plus = f.unit.lstrip("+"), f.unit.startswith("+")  # `+`: scalars only
     ours = amount(f.ours - f.floor, unit, "+") if plus else amount(f.ours, unit)
     row = {"workload": f.workload, "ours": ours}
     if f.released is not None:
@@ -182,14 +180,6 @@ def in_child(target: str, released: Path | None = None, env: dict | None = None,
     return result["value"]
 
 
-def child_main(target: str, arguments: str) -> None:
-    """The child's side of `in_child`: call the function, print its result."""
-    module, _, name = target.partition(":")
-    value = getattr(importlib.import_module(module), name)(**json.loads(arguments))
-    backend = sys.modules.get("genlm.backend")
-    print(RESULT + json.dumps({"module": backend and backend.__file__, "value": value}))
-
-
 def released_folder(folder: str | None = None) -> Path:
     """A folder holding genlm-backend 0.3.1 alone, installed there first if it is not."""
     folder = Path(folder or RELEASED).resolve()
@@ -198,22 +188,6 @@ def released_folder(folder: str | None = None) -> Path:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder)]
         subprocess.run([*pip, "genlm-backend==0.3.1"], check=True)
     return folder
-
-
-def add_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
-    """Add a command's `options` (`skip_hf` for `--skip-hf`) -> default, or (default,
-    help; `HELP` has the common ones): False for a flag, a list of choices (the first the
-    default), a dict for JSON, None for a string."""
-    for name, value in options.items():
-        default, text = value if isinstance(value, tuple) else (value, HELP.get(name))
-        flag, kind = "--" + name.replace("_", "-"), type(default)
-        if default is False:
-            parser.add_argument(flag, action="store_true", help=text)
-        elif isinstance(default, list):
-            parser.add_argument(flag, choices=default, default=default[0], help=text)
-        else:
-            kind = {dict: json.loads, type(None): str}.get(kind, kind)
-            parser.add_argument(flag, type=kind, default=default, help=text)
 
 
 def set_threads(threads: int | None) -> None:

@@ -44,22 +44,15 @@ def build_model(folder: str, shape: dict[str, int], dtype: torch.dtype, device: 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    count = sum(p.numel() for p in model.parameters())
-    print(f"model: {count:,} parameters ({count / 1e9:.3f}B), {dtype}, {shape}", flush=True)
+    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, {dtype}, {shape}")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def free(device: str) -> None:
+def free() -> None:
     """Collect garbage and hand cached device memory back."""
     gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def median_step(stamped: Callable[[], list]) -> float:
-    """The median per-step cost of one run of `stamped()`."""
-    return workload.median_of(stamped())
+    torch.cuda.empty_cache()  # (nothing without CUDA)
 
 
 def run(args: Any) -> None:
@@ -76,7 +69,7 @@ def run(args: Any) -> None:
 
     def figure(key: str, text: str, runs: dict[str, Callable], notes: dict) -> None:
         """Record ms per step of `runs` (median over steps, then repeats); others in notes."""
-        steps = {name: partial(median_step, run) for name, run in runs.items()}
+        steps = {name: lambda run=run: workload.median_of(run()) for name, run in runs.items()}
         ms = {k: 1e3 * v for k, v in compare(steps, args.repeats, warm_up=True).items()}
         notes = {f"{k}, ms": v for k, v in ms.items() if k not in ("ours", "floor")} | notes
         text += f" (target {TARGETS[key]} ms on an H100)" if cuda and not args.tiny else ""
@@ -84,7 +77,7 @@ def run(args: Any) -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         build_model(folder, TINY if args.tiny else FULL, dtype, device)
-        free(device)
+        free()
         if not args.skip_hf:
             model, tokenizer = workload.load_hf(folder)
             model = model.to(device=device, dtype=dtype)
@@ -92,10 +85,10 @@ def run(args: Any) -> None:
             for steps in (64, 256):
                 trace = workload.make_trace(N, steps, lm.vocab_size)
                 runs = {"floor": partial(workload.run_reference, model, trace, N, steps, clock)}
-                runs["ours"] = partial(workload.stamped_backend, lm, trace, N, steps, clock)
+                runs["ours"] = partial(workload.stamped_backend, lm, trace, N, steps, clock=clock)
                 figure(f"hf/{steps}", f"transformers, T={steps}", runs, {})
             del model, lm
-            free(device)
+            free()
         if args.skip_vllm:
             return
         if args.runner != "auto":  # read when each engine is configured
@@ -114,8 +107,8 @@ def run(args: Any) -> None:
             trace = workload.make_trace(N, 64, lm.vocab_size)
             runs = {"floor": partial(floor, lm, trace, N, 64, clock, capture=False)}
             runs["floor with the capture"] = partial(floor, lm, trace, N, 64, clock)
-            runs["ours"] = partial(workload.stamped_backend, lm, trace, N, 64, clock)
+            runs["ours"] = partial(workload.stamped_backend, lm, trace, N, 64, clock=clock)
             figure(key, text, runs, {"model runner": runner})
             lm.cleanup()
             del lm
-            free(device)
+            free()

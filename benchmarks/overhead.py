@@ -9,6 +9,7 @@ same outside the forward pass, CPU, operators (transformers) and page faults per
 import argparse
 import resource
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -39,7 +40,7 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
     cache = lm.cache if model is None else lm.output_cache
     maxsize, cache.maxsize = cache.maxsize, cache.maxsize if keep else 0
     try:
-        return workload.stamped_backend(lm, trace, n, steps, clock)
+        return workload.stamped_backend(lm, trace, n, steps, clock=clock)
     finally:
         cache.maxsize = maxsize
 
@@ -65,7 +66,7 @@ def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repe
     ms, ops = compare(runs, repeats, warm_up=True), ()
     for name in ("floor", "defaults") if model is not None else ():
         with OpCounter() as counter:
-            ops += (median_of(step_costs_of(lm, model, settings[name], trace, counter.read)),)
+            ops += (median_of(step_costs_of(lm, model, settings[name], trace, counter.read), 3),)
     lm.batch_size = default
     return ms, ops
 
@@ -112,10 +113,9 @@ def run(args: argparse.Namespace) -> None:
                 notes["page faults floor / defaults"] = (floor[3], ours[3])
                 notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
                 name = "transformers" if backend == "hf" else "vLLM"
-                label = f"{name}, {ARCHITECTURES[arch]}, N={n}" + (f", T={steps}" * (steps != 32))
-                figure_id, target = f"overhead/{arch}/{backend}/{n}x{steps}", "≤ +1 ms"
-                record(
-                    Figure(figure_id, label, "+ms", ours[0], floor[0], target=target, notes=notes)
-                )
+                label = f"{name}, {ARCHITECTURES[arch]}, N={n}" + f", T={steps}" * (steps != 32)
+                row_id = f"overhead/{arch}/{backend}/{n}x{steps}"
+                figure = Figure(row_id, label, "+ms", ours[0], floor[0], notes=notes)
+                record(replace(figure, target="≤ +1 ms"))
             if backend == "vllm":
                 lm.cleanup()

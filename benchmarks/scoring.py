@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks import workload
-from benchmarks.core import Figure, alternate, record, timed
+from benchmarks.core import Figure, alternate, compare, record, timed
 from benchmarks.workload import PROMPT_LENGTH, ForwardTimer, Trace, cold, forward_rows
 
 OPTIONS = {"parts": ("scoring,critic", "scoring and/or critic")}
@@ -74,91 +74,54 @@ def measure_scoring(model: Any, lm: Any, lengths: list[int], repeats: int) -> di
     return figures
 
 
-class CriticRun:
-    """The workload's SMC with a critic (a `PromptedLLM`, or None), per step.
-
-    `trace`'s tokens must all be in the critic's vocabulary (`tokens`: id -> its Token);
-    a step's cost is the difference of `clock()` stamps around it.
-    """
-
-    def __init__(self, lm: Any, critic: Any, trace: Trace, tokens: dict, clock: Any):
-        self.lm, self.critic, self.trace, self.tokens, self.clock = lm, critic, trace, tokens, clock
-        self.sampled: dict[tuple[int, ...], torch.Tensor] = {}
-        self.scores: list[tuple[list[int], float]] = []  # the last step's (tokens, score)
-
-    async def steps(self, n: int, steps: int) -> list[tuple[float, ...]]:
-        """Run it; the per-step costs."""
-        contexts = [list(self.trace.prompt) for _ in range(n)]
-        scored: list[list[Any]] = [[] for _ in range(n)]
-        choices, costs = self.trace.tokens.tolist(), []
-
-        async def extend(particle: int, step: int) -> tuple[torch.Tensor, float | None]:
-            row = await self.lm.next_token_logprobs(contexts[particle])
-            contexts[particle].append(choices[step][particle])  # extend, then reweight
-            scored[particle].append(self.tokens[choices[step][particle]])
-            return row, None if self.critic is None else await self.critic.score(scored[particle])
-
-        for step in range(steps):
-            start = self.clock()
-            results = await asyncio.gather(*(extend(p, step) for p in range(n)))
-            for particle, (row, score) in enumerate(results):
-                if (step, particle) in self.trace.checks:
-                    self.sampled[tuple(contexts[particle][:-1])] = row
-                if step == steps - 1 and score is not None:
-                    self.scores.append((contexts[particle][PROMPT_LENGTH:], float(score)))
-            if step in self.trace.ancestors:
-                contexts = [list(contexts[a]) for a in self.trace.ancestors[step]]
-                scored = [list(scored[a]) for a in self.trace.ancestors[step]]
-            costs.append(tuple(b - a for a, b in zip(start, self.clock(), strict=True)))
-        return costs
-
-    def per_step(self, n: int, steps: int) -> list[float]:
-        """Medians over steps 1..T-1 of one cold run: wall s, forward s, forward passes."""
-        cold(self.lm)
-        self.sampled, self.scores = {}, []
-        costs = asyncio.run(self.steps(n, steps))[1:]
-        return [median(cost[i] for cost in costs) for i in range(3)]
-
-
-def critic_setup(lm: Any, trace: Trace) -> tuple[Any, Trace, dict, list[int]]:
-    """The critic, `trace` within its vocabulary (EOS replaced), its tokens and prompt."""
+def critic_setup(lm: Any, trace: Trace) -> tuple[Any, Trace, list[int]]:
+    """The critic over a seeded 32-token prompt, `trace` within its vocabulary (EOS
+    replaced: each token not in it by the next one that is), and the prompt."""
     from genlm.control import PromptedLLM
 
     vocab, generator = len(lm.tokenizer), torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (32,), generator=generator).tolist()
     critic = PromptedLLM(lm, prompt_ids=prompt)
-    tokens, choices = {token.token_id: token for token in critic.vocab}, trace.tokens.clone()
+    tokens, choices = {token.token_id for token in critic.vocab}, trace.tokens.clone()
     for index, token in enumerate(choices.view(-1).tolist()):
-        while token not in tokens:  # the next token that is in the critic's vocabulary
+        while token not in tokens:
             token = (token + 1) % vocab
         choices.view(-1)[index] = token
-    return critic, Trace(trace.prompt, choices, trace.ancestors, trace.checks), tokens, prompt
+    return critic, Trace(trace.prompt, choices, trace.ancestors, trace.checks), prompt
+
+
+def last_row(model: Any, ids: list[int]) -> torch.Tensor:
+    """The log-probability row after `ids` of one plain forward pass of `model`."""
+    return forward_rows(model, ids)[1][-1]
+
+
+def critic_step(lm: Any, trace: Trace, clock: Any, sampled: dict, steps: int, **critic) -> list:
+    """Medians over the steps of one cold run of the SMC (`critic`: `smc`'s) of `clock`'s
+    columns (`ForwardTimer.read`: wall s, forward s, forward passes)."""
+    n = trace.tokens.shape[1]
+    costs = workload.stamped_backend(lm, trace, n, steps, sampled=sampled, clock=clock, **critic)
+    return [workload.median_of(costs, column) for column in range(3)]
 
 
 def measure_critic(model: Any, lm: Any, configs: str, repeats: int) -> dict:
     """'NxT' -> per-step medians with and without the critic (wall, forward s and passes),
     and the largest errors of rows and scores against plain forward passes of `model`."""
     forward = ForwardTimer(lm.underlying_model if hasattr(lm, "llm_engine") else model)
-    figures = {}
-
-    def row(ids: list[int]) -> torch.Tensor:
-        return forward_rows(model, ids)[1][-1]
-
+    figures, columns = {}, ("s", "forward s", "forward passes")
     for n, steps in workload.parse_configs(configs):
-        trace = workload.make_trace(n, steps, len(lm.tokenizer))
-        critic, trace, tokens, prompt = critic_setup(lm, trace)
-        runs = {"with": CriticRun(lm, critic, trace, tokens, forward.read)}
-        runs["without"] = CriticRun(lm, None, trace, tokens, forward.read)
-        for critic_run in runs.values():  # untimed warm-up
-            critic_run.per_step(n, min(steps, 4))
-        timed = alternate({k: partial(r.per_step, n, steps) for k, r in runs.items()}, repeats)
+        critic, trace, prompt = critic_setup(lm, workload.make_trace(n, steps, len(lm.tokenizer)))
+        sampled, scores = {}, []
+        without = partial(critic_step, lm, trace, forward.read, sampled)
+        runs = {"with": partial(without, critic=critic, scores=scores), "without": without}
+        for warm_up in runs.values():
+            warm_up(min(steps, 4))
+        medians = compare({name: partial(run, steps) for name, run in runs.items()}, repeats)
         figure = figures[f"{n}x{steps}"] = {}
-        for name, results in timed.items():
-            for i, what in enumerate(("s", "forward s", "forward passes")):
-                figure[f"{name} {what}"] = median(result[i] for result in results)
-        figure["row error"] = max(workload.max_error(r.sampled, row) for r in runs.values())
+        for name, values in medians.items():
+            figure |= {f"{name} {c}": value for c, value in zip(columns, values, strict=True)}
+        figure["row error"] = workload.max_error(sampled, partial(last_row, model))
         figure["score error"] = 0.0
-        for ids, score in runs["with"].scores:
+        for ids, score in scores[-n:]:  # the last run's
             at = torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1)
             expected = forward_rows(model, prompt + ids)[1][at, torch.tensor(ids)].sum().item()
             figure["score error"] = max(figure["score error"], abs(expected - score))

@@ -66,18 +66,15 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=T
 
 async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     """Seconds: a query alone, a query during a 128-token sample, and that sample."""
-
-    def context(offset: int) -> list[int]:
-        return [5000 + (run * 97 + offset + i) % 4000 for i in range(32)]
-
+    contexts = [[5000 + (run * 97 + offset + i) % 4000 for i in range(32)] for offset in (0, 1)]
     start = time.perf_counter()
-    await lm.next_token_logprobs(context(0))
+    await lm.next_token_logprobs(contexts[0])
     alone, start = time.perf_counter() - start, time.perf_counter()
     prompt = [1 + (run * 64 + i) % 4000 for i in range(64)]
     sampling = asyncio.create_task(lm.sample(prompt, 128, [], seed=run))
     await asyncio.sleep(0.1)  # the sample is in the engine by now
     asked = time.perf_counter()
-    await lm.next_token_logprobs(context(1))
+    await lm.next_token_logprobs(contexts[1])
     during = time.perf_counter() - asked
     await sampling
     return alone, during, time.perf_counter() - start
@@ -100,10 +97,10 @@ def run(args: Any) -> None:
     from genlm.backend import assets
 
     opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True}
-    lm = start_engine(str(assets.smollm2()), **opts)
+    lm, target = start_engine(str(assets.smollm2()), **opts), "≤ 1.2× floor"
     # warm_up: the CPU build makes its kernels for each new shape
     smc_figures(
-        "vllm_smc", lm, partial(floor, lm), args.configs, args.repeats, "≤ 1.2× floor", warm_up=True
+        "vllm_smc", lm, partial(floor, lm), args.configs, args.repeats, target, warm_up=True
     )
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]

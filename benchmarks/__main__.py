@@ -31,9 +31,8 @@ HELP["repeats"] = "runs of each measurement (medians)"
 
 
 def add_options(parser: argparse.ArgumentParser, options: dict[str, Any]) -> None:
-    """Add a command's `options` (`skip_hf` for `--skip-hf`) -> default, or (default, help;
-    `HELP` has the common ones): False for a flag, a list of choices (the first the
-    default), a dict for JSON, None for a string."""
+    """Add `options` (`skip_hf`: `--skip-hf`) -> default, or (default, help; else `HELP`'s):
+    False for a flag, choices (the first the default), a dict for JSON, None for a string."""
     for name, value in options.items():
         default, text = value if isinstance(value, tuple) else (value, HELP.get(name))
         flag, kind = "--" + name.replace("_", "-"), type(default)
@@ -60,16 +59,14 @@ def main(argv: list[str]) -> None:
         return child(*argv[1:])
     name = argv[0] if argv else None
     listing = "\n".join(f"  {name:<14}{text}" for name, (_, text) in COMMANDS.items())
-    module = (
-        importlib.import_module(f"benchmarks.{COMMANDS[name][0]}") if name in COMMANDS else None
-    )
+    module = name in COMMANDS and importlib.import_module(f"benchmarks.{COMMANDS[name][0]}")
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks" + f" {name}" * bool(module),
         description=module.__doc__ if module else __doc__,
         epilog=None if module else f"commands:\n{listing}\n\n`NAME --help`: its options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    if module is None:
+    if not module:  # no command named: the listing, or argparse's error
         parser.add_argument("name", choices=list(COMMANDS), metavar="NAME")
         parser.parse_args(argv)
     add_options(parser, module.OPTIONS)

@@ -1,7 +1,5 @@
 """The suite's shared parts: the figure record, timing, alternation, child processes, 0.3.1.
-
-Nothing here imports torch, so that the memory benchmark's parent process stays small.
-"""
+Nothing here imports torch, so that the memory benchmark's parent process stays small."""
 
 import json
 import math
@@ -26,24 +24,18 @@ Value = float | tuple[float, ...]
 
 @dataclass
 class Figure:
-    """One measured figure: the row `id` (`group/row`) of the performance page's table.
-
-    `ours`, `floor` (timed in the same process) and `released` (0.3.1's; its own process's
-    floor in `released_floor`) are in `unit`, a tuple for alternatives `a / b`; unit `+ms`
-    prints `ours` less `floor`, `%` has no ratio. `notes`: further figures, not in the
-    table; `released_only` figures refresh only the row's 0.3.1 cells.
-    """
+    """One measured figure: the row `id` (`group/row`) of the performance page's table."""
 
     id: str
     workload: str
-    unit: str
-    ours: Value
-    floor: Value | None = None
-    released: Value | None = None
-    released_floor: Value | None = None
+    unit: str  # of the four values; `+ms` prints `ours` less `floor`, `%` has no ratio
+    ours: Value  # a tuple for alternatives `a / b`, as may be the other three
+    floor: Value | None = None  # timed in the same process
+    released: Value | None = None  # 0.3.1's
+    released_floor: Value | None = None  # 0.3.1's own process's floor
     target: str = ""
-    notes: dict[str, Any] = field(default_factory=dict)
-    released_only: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)  # further figures, not in the table
+    released_only: bool = False  # refreshes only the row's 0.3.1 cells
 
 
 FIGURES: list[Figure] = []  # what this process recorded, written out by `--json`
@@ -130,8 +122,7 @@ def median_ms(function: Callable[[], Any], repeats: int, warm_up: bool = False) 
     """Median wall and CPU milliseconds of `repeats` calls, each result dropped at once."""
     if warm_up:
         function()
-    runs = [timed(function)[:2] for _ in range(repeats)]
-    return 1e3 * median(r[0] for r in runs), 1e3 * median(r[1] for r in runs)
+    return tuple(1e3 * m for m in medians([timed(function)[:2] for _ in range(repeats)]))
 
 
 def alternate(runs: dict[str, Callable[[], Any]], repeats: int, first: int = 0) -> dict:

@@ -48,9 +48,8 @@ def page_with_table(page: str, text: str) -> str:
 
 
 def merge(data: dict, figures: list[dict], stamp: dict) -> None:
-    """Put `figures` (`Figure` records) into `data`'s rows by id, stamped with their run: a
-    figure replaces the row of its id or joins its group; one without 0.3.1's figure keeps
-    the row's 0.3.1 cells with their provenance; a `released_only` one replaces those alone."""
+    """Put `figures` (`Figure` records) into `data`'s rows by id, stamped, each replacing its row
+    (or joining its group), keeping its 0.3.1 cells if it has none; `released_only`: those alone."""
     groups = {group["id"]: group for group in data["groups"]}
     for figure in (Figure(**figure) for figure in figures):
         rows = groups[figure.id.split("/")[0]]["rows"]

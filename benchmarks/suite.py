@@ -27,31 +27,27 @@ OPTIONS = {"quick": (False, "a subset, about ten minutes")}
 OPTIONS["device"] = ("cpu", "cpu, or cuda: the GPU rows")
 OPTIONS["output"] = (None, "write the JSON here, leave the page alone")
 
-QUICK = [
-    "decode_vocab --repeats 3",
-    "trie --repeats 5",
-    "hf_smc --configs 10x32 --skip-memory",
-    "overhead --backends hf --repeats 2",
-    "scoring --repeats 3 --configs 8x32 --critic-repeats 1",
-    "memory --sizes 256",
-    "launches",
-]
-FULL = [
-    "decode_vocab",
-    "released --parts hf,trie,scoring --threads 1",
-    "released --parts clients --threads 1",
-    "trie",
-    "hf_smc",
-    "overhead",
-    "scoring",
-    "scoring --parts scoring --lengths 3000 --repeats 1",
-    "scoring --backend vllm --lengths 64,256 --repeats 3 --configs 8x32",
-    "memory",
-    "launches",
-    "vllm_smc --interleave",
-    "vllm_tp",
-    "mlx_smc",
-]
+QUICK = """decode_vocab --repeats 3
+trie --repeats 5
+hf_smc --configs 10x32 --skip-memory
+overhead --backends hf --repeats 2
+scoring --repeats 3 --configs 8x32 --critic-repeats 1
+memory --sizes 256
+launches""".splitlines()
+FULL = """decode_vocab
+released --parts hf,trie,scoring --threads 1
+released --parts clients --threads 1
+trie
+hf_smc
+overhead
+scoring
+scoring --parts scoring --lengths 3000 --repeats 1
+scoring --backend vllm --lengths 64,256 --repeats 3 --configs 8x32
+memory
+launches
+vllm_smc --interleave
+vllm_tp
+mlx_smc""".splitlines()
 GPU = ["gpu_smc --device {device}", "trie --device {device}"]
 NEEDS = {"vllm": "vllm", "mlx": "mlx", "clients": "llamppl"}  # word of a command -> module
 

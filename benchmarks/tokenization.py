@@ -1,8 +1,5 @@
-"""`decode_vocab` on a tokenizer (qwen2: 151,936 tokens) against the per-token decode.
-
-Floor: each token's string from the tokenizer mapped through the GPT-2 byte table
-(added tokens as their UTF-8 content); both results checked identical first.
-"""
+"""`decode_vocab` on a tokenizer (qwen2: 151,936 tokens). Floor: the per-token decode, each token's
+string mapped through the GPT-2 byte table (added tokens: their UTF-8); both checked identical."""
 
 import argparse
 from typing import Any

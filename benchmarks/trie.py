@@ -1,10 +1,5 @@
-"""The token-character tries on the qwen2 vocabulary (151,936 tokens) against a dict trie.
-
-Both classes on the CPU: build, one row's sums and maxima, batches of 32, 32 awaits on
-`AsyncTokenCharacterTrie` against one batched call, memory. Floor: an insertion-built
-dict trie reduced depth by depth with `np.add.at` / `np.maximum.at`, checked against
-both tries. `--device cuda`: the device path there (`--device-path`: forced on the CPU).
-"""
+"""The tries on the qwen2 vocabulary, and their device path (`--device cuda`, `--device-path`).
+Floor: an insertion-built dict trie reduced depth by depth, checked against both tries."""
 
 import argparse
 import asyncio
@@ -20,6 +15,7 @@ import torch
 from benchmarks.core import Figure, median_ms, record, set_threads
 from benchmarks.workload import OpCounter
 from genlm.backend import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from genlm.backend.tokenization import decode_vocab
 
 OPTIONS = {"repeats": 15, "threads": 0, "device": ("cpu", "cuda: the device path on CUDA only")}
 OPTIONS["device_path"] = (False, "add the device path on the CPU")
@@ -116,8 +112,6 @@ def weights(tokenizer: str) -> tuple[list, torch.Tensor, torch.Tensor]:
     """Each version's `decode_vocab` of a tokenizer, and seeded probabilities over it."""
     from transformers import AutoTokenizer
 
-    from genlm.backend import decode_vocab
-
     vocab, _ = decode_vocab(AutoTokenizer.from_pretrained(tokenizer))
     logits = np.random.default_rng(0).normal(size=(BATCH, len(vocab))).astype(np.float32)
     logprobs = torch.log_softmax(torch.from_numpy(logits), dim=-1)
@@ -133,16 +127,14 @@ class TorchPathTrie(ParallelTokenCharacterTrie):
 
 def device_figures(vocab: list, probs: torch.Tensor, logprobs: torch.Tensor, args: Any) -> None:
     """The device path of `ParallelTokenCharacterTrie` against the numpy path; records."""
-    device, numpy_make = args.device, partial(TokenCharacterTrie, vocab)
-    make = partial(TorchPathTrie, vocab, device=device)
-    numpy_build, build = (median_ms(f, 3)[0] / 1e3 for f in (numpy_make, make))
-    numpy_trie, torch_trie = numpy_make(), make()
-    rows = {"sum": (probs, probs.to(device)), "max": (logprobs, logprobs.to(device))}
-    expected = numpy_trie.batch_weight_max(logprobs[:2])
-    assert np.array_equal(torch_trie.batch_weight_max(rows["max"][1][:2]), expected)
-    expected = numpy_trie.batch_weight_sum(probs[:2])
-    assert np.allclose(torch_trie.batch_weight_sum(rows["sum"][1][:2]), expected, rtol=1e-12)
-    group, title = ("gpu", "trie") if device != "cpu" else ("trie", "device path on the CPU:")
+    makes = partial(TokenCharacterTrie, vocab), partial(TorchPathTrie, vocab, device=args.device)
+    numpy_build, build = (median_ms(make, 3)[0] / 1e3 for make in makes)
+    numpy_trie, torch_trie = (make() for make in makes)
+    rows = {"sum": (probs, probs.to(args.device)), "max": (logprobs, logprobs.to(args.device))}
+    for op, agree in (("max", np.array_equal), ("sum", partial(np.allclose, rtol=1e-12))):
+        expected = getattr(numpy_trie, f"batch_weight_{op}")(rows[op][0][:2])
+        assert agree(getattr(torch_trie, f"batch_weight_{op}")(rows[op][1][:2]), expected)
+    group, title = ("gpu", "trie") if args.device != "cpu" else ("trie", "device path on the CPU:")
     notes = {"numpy path s": numpy_build}
     record(Figure(f"{group}/trie_build", f"{title} build, qwen2", "s", build, notes=notes))
     for kind, prefix, pick, count, label in (
@@ -163,8 +155,7 @@ def device_figures(vocab: list, probs: torch.Tensor, logprobs: torch.Tensor, arg
 
 
 def run(args: argparse.Namespace) -> None:
-    """Time both classes and the floor on the CPU (and the device path, with `--device-path`),
-    or the device path alone on `args.device`; record the figures."""
+    """Time both classes against the floor on the CPU, or only the device path on `--device`."""
     from genlm.backend import assets
 
     set_threads(args.threads)
@@ -172,17 +163,16 @@ def run(args: argparse.Namespace) -> None:
     if args.device != "cpu":
         return device_figures(vocab, probs, logprobs, args)
     reference = ReferenceTrie(vocab)
-    floor = {"build": median_ms(lambda: ReferenceTrie(vocab), 1)[0]}
+    floor = dict.fromkeys(FIGURES) | {"build": median_ms(lambda: ReferenceTrie(vocab), 1)[0]}
     for op, rows in (("sum", probs), ("max", logprobs)):
         floor[f"weight_{op}"] = median_ms(partial(reference.reduce, rows[0].numpy(), op), 3)[0]
     for make in CLASSES:
         check(make(vocab), reference, logprobs[1].numpy().astype(np.float64))
     timings = [time_class(partial(make, vocab), probs, logprobs, args.repeats) for make in CLASSES]
     for name, (label, target, further) in FIGURES.items():
-        times = tuple(timing[name][0] for timing in timings), floor.get(name)
-        notes = {"CPU ms": tuple(timing[name][1] for timing in timings)}
-        notes |= {key: tuple(timing[key] for timing in timings) for key in further}
-        record(Figure(f"trie/{name}", label, "ms", *times, target=target, notes=notes))
+        ours, cpu = zip(*(timing[name] for timing in timings), strict=True)
+        notes = {"CPU ms": cpu} | {key: tuple(timing[key] for timing in timings) for key in further}
+        record(Figure(f"trie/{name}", label, "ms", ours, floor[name], target=target, notes=notes))
     direct, awaits = zip(timings[0]["async_sum"], timings[0]["async_max"], strict=True)
     ratios = tuple(timing[f"async_{op}_ratio"] for timing in timings for op in ("sum", "max"))
     label = f"{BATCH} concurrent awaits on `AsyncTokenCharacterTrie` (sum / max)"

@@ -1,8 +1,5 @@
-"""Redraw the performance page's first table and picture from docs/performance.json.
-
-The JSON holds the table cell for cell, by groups of rows; rows a benchmark refreshes
-carry its id and provenance. `--check` changes nothing and fails when they differ.
-"""
+"""Redraw the performance page's first table and picture from docs/performance.json, which
+holds the table cell for cell by groups of rows (a refreshed row: its id and provenance)."""
 
 import argparse
 import json

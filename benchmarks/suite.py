@@ -1,10 +1,6 @@
-"""Run the benchmarks that fit this machine and record them in docs/performance.json.
-
-Each runs in a process of its own; its figures replace the rows of their ids, stamped
-with this run (date, machine, versions, commit, command), and the page is redrawn
-unless `--output` takes the JSON elsewhere. `--device cuda`: the GPU rows. `--quick`:
-a subset, about ten minutes on two cores (`benchmarks/README.md` says which).
-"""
+"""Run the benchmarks that fit this machine, each in its own process; their figures replace
+their rows of docs/performance.json, stamped with this run (date, machine, versions,
+commit, command), and the page is redrawn unless `--output` takes the JSON elsewhere."""
 
 import argparse
 import contextlib

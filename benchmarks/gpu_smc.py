@@ -1,11 +1,6 @@
-"""The GPU workload: a random 1.07B Llama through vLLM and transformers against floors.
-
-A Llama-shaped model (hidden 2048, 16 layers, 32 heads, 8 key/value heads) over
-SmolLM2's tokenizer, seeded random bfloat16 weights, built locally. N=32, ms per step
-after the device finished: vLLM with its defaults and eager (T=64) against
-`vllm_smc.floor` without the capture; transformers (T=64, 256) against
-`workload.run_reference`. `--tiny`: a 2-layer model, to smoke-run on the CPU.
-"""
+"""SMC on a random 1.07B Llama (seeded bfloat16, SmolLM2's tokenizer), N=32, ms per step after the
+device finished: vLLM (defaults, eager; T=64) against `vllm_smc.floor` without the capture,
+transformers (T=64, 256) against `workload.run_reference`. `--tiny`: 2 layers, a CPU smoke run."""
 
 import gc
 import os
@@ -16,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from benchmarks import workload
 from benchmarks.core import Figure, compare, record
@@ -32,8 +28,6 @@ TINY |= {"num_attention_heads": 4, "num_key_value_heads": 2}  # head size 32, as
 
 def build_model(folder: str, shape: dict[str, int], dtype: torch.dtype, device: str) -> None:
     """Save a seeded random Llama of `shape` with SmolLM2's tokenizer to `folder`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
     from genlm.backend import assets
 
     tokenizer = AutoTokenizer.from_pretrained(assets.smollm2())

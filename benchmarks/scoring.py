@@ -1,10 +1,5 @@
-"""Every prefix of a sequence in one call, and SMC with an LLM critic (SmolLM2-135M).
-
-`scoring`: all prefixes of a seeded random sequence in one cold
-`batch_next_token_logprobs` call against one forward pass over it. `critic`: the
-workload's SMC where each particle also awaits genlm-control's `PromptedLLM(lm,
-prompt_ids=<32 tokens>).score(its tokens)`, against the same SMC without; per step.
-`--backend vllm`: both on `AsyncVirtualLM`; the scoring floor is ONE engine request.
+"""`scoring`: all prefixes of a sequence in one cold call against one forward pass; `critic`: SMC
+with a `PromptedLLM` critic against it without (SmolLM2-135M). vLLM's scoring floor: ONE request.
 """
 
 import argparse
@@ -19,7 +14,7 @@ import torch
 
 from benchmarks import workload
 from benchmarks.core import Figure, alternate, compare, record, timed
-from benchmarks.workload import PROMPT_LENGTH, ForwardTimer, Trace, cold, forward_rows
+from benchmarks.workload import PROMPT_LENGTH, ForwardTimer, Trace, cold, forward_rows, max_error
 
 OPTIONS = {"parts": ("scoring,critic", "scoring and/or critic")}
 OPTIONS["lengths"] = ("16,64,256", "sequence lengths (scoring)")
@@ -69,14 +64,12 @@ def measure_scoring(model: Any, lm: Any, lengths: list[int], repeats: int) -> di
             error = max(error, (results["ours"][1] - reference).abs().max().item())
             for name, (seconds, _) in results.items():
                 times.setdefault(name, []).append(seconds)
-        figures[str(length)] = {name: median(values) for name, values in times.items()}
-        figures[str(length)]["error"] = error
+        figures[str(length)] = {name: median(v) for name, v in times.items()} | {"error": error}
     return figures
 
 
 def critic_setup(lm: Any, trace: Trace) -> tuple[Any, Trace, list[int]]:
-    """The critic over a seeded 32-token prompt, `trace` within its vocabulary (EOS
-    replaced: each token not in it by the next one that is), and the prompt."""
+    """The critic over a seeded 32-token prompt, `trace` within its vocabulary, the prompt."""
     from genlm.control import PromptedLLM
 
     vocab, generator = len(lm.tokenizer), torch.Generator().manual_seed(1)
@@ -84,28 +77,21 @@ def critic_setup(lm: Any, trace: Trace) -> tuple[Any, Trace, list[int]]:
     critic = PromptedLLM(lm, prompt_ids=prompt)
     tokens, choices = {token.token_id for token in critic.vocab}, trace.tokens.clone()
     for index, token in enumerate(choices.view(-1).tolist()):
-        while token not in tokens:
+        while token not in tokens:  # not in it (EOS): the next token that is
             token = (token + 1) % vocab
         choices.view(-1)[index] = token
     return critic, Trace(trace.prompt, choices, trace.ancestors, trace.checks), prompt
 
 
-def last_row(model: Any, ids: list[int]) -> torch.Tensor:
-    """The log-probability row after `ids` of one plain forward pass of `model`."""
-    return forward_rows(model, ids)[1][-1]
-
-
 def critic_step(lm: Any, trace: Trace, clock: Any, sampled: dict, steps: int, **critic) -> list:
-    """Medians over the steps of one cold run of the SMC (`critic`: `smc`'s) of `clock`'s
-    columns (`ForwardTimer.read`: wall s, forward s, forward passes)."""
+    """Per-step medians of `clock`'s columns in one cold run of the SMC (`critic`: `smc`'s)."""
     n = trace.tokens.shape[1]
     costs = workload.stamped_backend(lm, trace, n, steps, sampled=sampled, clock=clock, **critic)
     return [workload.median_of(costs, column) for column in range(3)]
 
 
 def measure_critic(model: Any, lm: Any, configs: str, repeats: int) -> dict:
-    """'NxT' -> per-step medians with and without the critic (wall, forward s and passes),
-    and the largest errors of rows and scores against plain forward passes of `model`."""
+    """'NxT' -> per-step medians with and without the critic, errors of rows and scores."""
     forward = ForwardTimer(lm.underlying_model if hasattr(lm, "llm_engine") else model)
     figures, columns = {}, ("s", "forward s", "forward passes")
     for n, steps in workload.parse_configs(configs):
@@ -119,7 +105,7 @@ def measure_critic(model: Any, lm: Any, configs: str, repeats: int) -> dict:
         figure = figures[f"{n}x{steps}"] = {}
         for name, values in medians.items():
             figure |= {f"{name} {c}": value for c, value in zip(columns, values, strict=True)}
-        figure["row error"] = workload.max_error(sampled, partial(last_row, model))
+        figure["row error"] = max_error(sampled, lambda ids: forward_rows(model, ids)[1][-1])
         figure["score error"] = 0.0
         for ids, score in scores[-n:]:  # the last run's
             at = torch.arange(len(prompt) - 1, len(prompt) + len(ids) - 1)
@@ -128,14 +114,11 @@ def measure_critic(model: Any, lm: Any, configs: str, repeats: int) -> dict:
     return figures
 
 
-def measure(parts: list, model: Any, lm: Any, lengths: list, configs: str, repeats: list):
+def measure(parts: list, model: Any, lm: Any, lengths: list, configs: str, repeats: list) -> dict:
     """The parts on `lm`, `model` the reference; `repeats`: of scoring, of the critic."""
-    figures = {}
-    if "scoring" in parts:
-        figures["scoring"] = measure_scoring(model, lm, lengths, repeats[0])
-    if "critic" in parts:
-        figures["critic"] = measure_critic(model, lm, configs, repeats[1])
-    return figures
+    scoring = partial(measure_scoring, model, lm, lengths, repeats[0])
+    runs = {"scoring": scoring, "critic": partial(measure_critic, model, lm, configs, repeats[1])}
+    return {part: run() for part, run in runs.items() if part in parts}
 
 
 def child(parts: list, lengths: list, configs: str, repeats: list, threads: int, model=None):
@@ -150,9 +133,8 @@ def record_all(figures: dict, vllm: bool = False, released: dict | None = None) 
     if vllm and scoring:
         lengths = list(scoring)
         label = f"vLLM: all prefixes of {' / '.join(lengths)} tokens (floor: one request)"
-        ours, floor = (tuple(scoring[k][name] for k in lengths) for name in ("ours", "floor"))
-        notes = {"transformers forward s": tuple(scoring[k]["hf"] for k in lengths)}
-        notes["error"] = max(scoring[k]["error"] for k in lengths)
+        ours, floor, hf = (tuple(scoring[k][c] for k in lengths) for c in ("ours", "floor", "hf"))
+        notes = {"transformers forward s": hf, "error": max(scoring[k]["error"] for k in lengths)}
         record(Figure(f"scoring/vllm/{','.join(lengths)}", label, "s", ours, floor, notes=notes))
     for length, figure in {} if vllm else scoring.items():
         old = released.get("scoring", {}).get(length, {})
@@ -163,8 +145,7 @@ def record_all(figures: dict, vllm: bool = False, released: dict | None = None) 
     for config, figure in figures.get("critic", {}).items():
         old, (n, steps) = released.get("critic", {}).get(config, {}), config.split("x")
         notes = {k: v for k, v in figure.items() if k not in ("with s", "without s")}
-        if old:
-            notes["0.3.1 without the critic, ms"] = 1e3 * old["without s"]
+        notes |= {"0.3.1 without the critic, ms": 1e3 * old["without s"]} if old else {}
         label = f"{'vLLM: ' * vllm}SMC with a `PromptedLLM` critic, N={n}, T={steps}, per step"
         times = 1e3 * figure["with s"], 1e3 * figure["without s"]
         times += (1e3 * old["with s"] if old else None,)

@@ -1,4 +1,4 @@
-"""The tries on the qwen2 vocabulary, and their device path (`--device cuda`, `--device-path`).
+"""The tries on the qwen2 vocabulary, and their device path on CUDA (`--device cuda`).
 Floor: an insertion-built dict trie reduced depth by depth, checked against both tries."""
 
 import argparse
@@ -18,7 +18,6 @@ from genlm.backend import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, T
 from genlm.backend.tokenization import decode_vocab
 
 OPTIONS = {"repeats": 15, "threads": 0, "device": ("cpu", "cuda: the device path on CUDA only")}
-OPTIONS["device_path"] = (False, "add the device path on the CPU")
 BATCH = 32
 CLASSES = TokenCharacterTrie, partial(ParallelTokenCharacterTrie, device="cpu")  # on the CPU
 FIGURES = {  # name (page row `trie/name`) -> label, target, further figures in the notes
@@ -118,25 +117,18 @@ def weights(tokenizer: str) -> tuple[list, torch.Tensor, torch.Tensor]:
     return vocab, logprobs.exp(), logprobs
 
 
-class TorchPathTrie(ParallelTokenCharacterTrie):
-    """`ParallelTokenCharacterTrie` on its device path, forced there on the CPU too."""
-
-    def _on_cpu(self) -> bool:
-        return False
-
-
 def device_figures(vocab: list, probs: torch.Tensor, logprobs: torch.Tensor, args: Any) -> None:
     """The device path of `ParallelTokenCharacterTrie` against the numpy path; records."""
-    makes = partial(TokenCharacterTrie, vocab), partial(TorchPathTrie, vocab, device=args.device)
+    numpy_make = partial(TokenCharacterTrie, vocab)
+    makes = numpy_make, partial(ParallelTokenCharacterTrie, vocab, args.device)
     numpy_build, build = (median_ms(make, 3)[0] / 1e3 for make in makes)
     numpy_trie, torch_trie = (make() for make in makes)
     rows = {"sum": (probs, probs.to(args.device)), "max": (logprobs, logprobs.to(args.device))}
     for op, agree in (("max", np.array_equal), ("sum", partial(np.allclose, rtol=1e-12))):
         expected = getattr(numpy_trie, f"batch_weight_{op}")(rows[op][0][:2])
         assert agree(getattr(torch_trie, f"batch_weight_{op}")(rows[op][1][:2]), expected)
-    group, title = ("gpu", "trie") if args.device != "cpu" else ("trie", "device path on the CPU:")
     notes = {"numpy path s": numpy_build}
-    record(Figure(f"{group}/trie_build", f"{title} build, qwen2", "s", build, notes=notes))
+    record(Figure("gpu/trie_build", "trie build, qwen2", "s", build, notes=notes))
     for kind, prefix, pick, count, label in (
         ("single", "", 0, args.repeats, "`weight_sum` / `weight_max`, qwen2, one row"),
         ("batch", "batch_", slice(None), 5, f"batch of {BATCH}, qwen2: sum / max"),
@@ -151,7 +143,7 @@ def device_figures(vocab: list, probs: torch.Tensor, logprobs: torch.Tensor, arg
                 on_device()
             ops.append(counter.dispatched)
         notes = {"numpy path ms": tuple(numpy_ms), "operators per call": ops}
-        record(Figure(f"{group}/trie_{kind}", f"{title} {label}", "ms", tuple(ours), notes=notes))
+        record(Figure(f"gpu/trie_{kind}", f"trie {label}", "ms", tuple(ours), notes=notes))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -178,5 +170,3 @@ def run(args: argparse.Namespace) -> None:
     label = f"{BATCH} concurrent awaits on `AsyncTokenCharacterTrie` (sum / max)"
     notes, target = {"paired ratios, each class": ratios}, "≤ 1.2× the call"
     record(Figure("trie/async", label, "ms", awaits, direct, target=target, notes=notes))
-    if args.device_path:
-        device_figures(vocab, probs, logprobs, args)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from genlm.backend import (
     AsyncTokenCharacterTrie,
@@ -498,6 +499,37 @@ def test_torch_path_cuts_long_segments_into_pieces(monkeypatch):
     for row, weights in zip(trie.batch_weight_max(ws), ws, strict=True):
         np.testing.assert_array_equal(row, reduce_nodes(items, weights, "max"))
         np.testing.assert_array_equal(trie.weight_max(weights), row)
+
+
+def test_torch_path_operators_per_call_do_not_grow_with_depth():
+    # On a GPU each operator is a kernel launch: the device path reduces a trie in a fixed
+    # number of them, for 40 items of one byte (81 nodes) as for a chain of 80 items up to
+    # 80 bytes long (161 nodes).
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.operators = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operators += 1
+            return func(*args, **(kwargs or {}))
+
+    def operators(vocab: list, method: str, rows: int | None) -> int:
+        trie = TorchPathTrie(vocab)
+        shape = (len(vocab),) if rows is None else (rows, len(vocab))
+        weights = torch.rand(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        getattr(trie, method)(weights)
+        with Count() as count:
+            getattr(trie, method)(weights)
+        return count.operators
+
+    shallow = [bytes([b]) for b in range(97, 137)]
+    deep = [b"a" * length for length in range(1, 81)]
+    for method, rows in [("weight_sum", None), ("weight_max", None)] + [
+        ("batch_weight_sum", 32),
+        ("batch_weight_max", 32),
+    ]:
+        assert operators(deep, method, rows) == operators(shallow, method, rows), method
 
 
 def test_parallel_devices():

@@ -34,8 +34,8 @@ as the base class in another order, so they agree to rounding.
 
 On the CPU the class runs the sequential class's numpy path and builds no
 matrix: torch's CPU gathers, sparse product and segmented reduction are several
-times slower than numpy on this job (see `python -m benchmarks trie`). The tests
-and the benchmark force the device path onto the CPU by overriding `_on_cpu`.
+times slower than numpy on this job (docs/tries.md has the figures). The tests
+force the device path onto the CPU by overriding `_on_cpu`.
 """
 
 from __future__ import annotations

@@ -466,7 +466,7 @@ async def test_a_query_whose_adapter_is_removed_while_it_waits_fails_alone(
     lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture, batch_size=100)
     lm.add_new_lora(str(folders["first"]), "toy")
     lm.add_new_lora(str(folders["second"]), "other")
-    prompt = LORA_PROMPTS[0]
+    toy_id, prompt = lm.loras["toy"].lora_int_id, LORA_PROMPTS[0]
     calls = [
         lm.next_token_logprobs(prompt, lora_name="toy"),
         lm.next_token_logprobs(prompt, lora_name="other"),
@@ -484,8 +484,31 @@ async def test_a_query_whose_adapter_is_removed_while_it_waits_fails_alone(
     assert_matches(other, references["second"][tuple(prompt)], LORA_DTYPE)
     assert_matches(base, reference(prompt), LORA_DTYPE)
     engine = lora_lm.llm_engine.llm_engine
-    assert AsyncVirtualLM.hash_to_int("toy") not in engine.list_loras()  # never loaded again
+    assert toy_id not in engine.list_loras()  # never loaded again
     lm.remove_lora("other")
+
+
+def test_an_adapter_registered_again_never_shares_an_earlier_ones_id(lora_lm, adapters):
+    # A request of a replaced adapter still in the engine loads the old weights again under
+    # the old id (as `add_lora` does here): the adapter now registered under that name must
+    # keep its own weights, so its id is another.
+    folders, references = adapters
+    lm, engine = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture), lora_lm.llm_engine
+    prompt = LORA_PROMPTS[0]
+    lm.add_new_lora(str(folders["first"]), "again")
+    first = lm.loras["again"]
+    assert first.lora_int_id == AsyncVirtualLM.hash_to_int("again")
+    lm.add_new_lora(str(folders["second"]), "again")
+    lm._engine.call(engine.llm_engine.add_lora, first).result()  # the stale request's load
+    row = lm.next_token_logprobs_sync(prompt, lora_name="again")
+    assert_matches(row, references["second"][tuple(prompt)], LORA_DTYPE)
+    ids = [first.lora_int_id, lm.loras["again"].lora_int_id]
+    lm.remove_lora("again")
+    lm.add_new_lora(str(folders["first"]), "again")  # removed, then registered again
+    ids.append(lm.loras["again"].lora_int_id)
+    assert len(set(ids)) == 3
+    lm.remove_lora("again")
+    lm._engine.call(engine.llm_engine.remove_lora, first.lora_int_id).result()
 
 
 async def test_results_belong_to_the_caller_and_empty_batches(make_lm, reference):

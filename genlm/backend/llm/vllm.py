@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -149,6 +150,7 @@ class AsyncVirtualLM(AsyncLM):
         self._chains = self._logits.reads_prompt_rows
         # Adapters with output-layer weights, which the prompt-position rows leave out.
         self._unchained_adapters: set = set()
+        self._lora_ids: set[int] = set()  # every LoRA id given out (see `_fresh_lora_id`)
         self._block_size = llm_engine.llm_engine.vllm_config.cache_config.block_size
         self._check_capture()
 
@@ -442,7 +444,9 @@ class AsyncVirtualLM(AsyncLM):
             lora_name: Name to select it by (`set_lora`, or `lora_name=` per
                 call). Registering an adapter under a name in use replaces it:
                 the engine unloads the old one and its cached results are dropped
-                (queries still waiting for the old one fail, see `remove_lora`).
+                (queries still waiting for the old one fail, see `remove_lora`). The
+                first registration of a name gets the LoRA id `hash_to_int(lora_name)`;
+                a later one of the same name gets an id of its own.
 
         Raises:
             ValueError: If the engine was created without LoRA support.
@@ -458,7 +462,7 @@ class AsyncVirtualLM(AsyncLM):
         from vllm.lora.request import LoRARequest
 
         replaced = self.loras[lora_name] if lora_name in self.loras else None
-        request = LoRARequest(lora_name, self.hash_to_int(lora_name), lora_path)
+        request = LoRARequest(lora_name, self._fresh_lora_id(lora_name), lora_path)
         self.loras.add(lora_name, request)
         if adapts_output_layer(lora_path):
             self._unchained_adapters.add(request)
@@ -505,8 +509,18 @@ class AsyncVirtualLM(AsyncLM):
         """Drop a `LoRARequest` that is no longer registered from the cache and the engine."""
         self.cache.remove_if(lambda query: query[0] == request)
         self._unchained_adapters.discard(request)
-        # The engine keeps loaded adapters by id; the id of a name never changes.
+        # The engine keeps loaded adapters by id; no later registration reuses this one.
         self._engine.call(self.llm_engine.llm_engine.remove_lora, request.lora_int_id).result()
+
+    def _fresh_lora_id(self, lora_name: str) -> int:
+        """`hash_to_int(lora_name)`, or if given out before, that of the first `lora_name#k` (k =
+        1, 2, ...) whose id was not: a request of a replaced or removed adapter still in the
+        engine may load its weights again under its id, which no later registration shares."""
+        later = (f"{lora_name}#{k}" for k in itertools.count(1))
+        candidates = itertools.chain([lora_name], later)
+        lora_id = next(i for i in map(self.hash_to_int, candidates) if i not in self._lora_ids)
+        self._lora_ids.add(lora_id)
+        return lora_id
 
     @staticmethod
     def hash_to_int(value: str) -> int:

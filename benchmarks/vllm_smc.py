@@ -21,7 +21,7 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=T
     fresh thread as the engine's: vLLM's CPU build binds the OpenMP threads of the starting one."""
     from vllm import SamplingParams
 
-    from genlm.backend.llm.vllm_logits import add_to_sampler, remove_from_sampler
+    from genlm.backend.llm.vllm.capture import add_to_sampler, remove_from_sampler
 
     def run() -> list:
         lm.llm_engine.reset_prefix_cache()

@@ -8,7 +8,7 @@ the client computes with the same quantity built from the log-softmax of one
 uncached transformers forward pass over the whole context.
 
 Tolerances: one log-probability of the backend is within 1e-5 of the plain
-pass on CPU and 1e-4 on CUDA (`tests/llm/test_hf.py`, `TINY_ATOL`); a client's
+pass on CPU and 1e-4 on CUDA (`tests/llm/hf/test_hf.py`, `TINY_ATOL`); a client's
 sum over k tokens is allowed k times that. One wrong token or position moves
 these log-probabilities by 2e-2 or more.
 """

@@ -89,7 +89,7 @@ def test_mlx_backend_imports_without_mlx_and_names_the_extra_when_used(monkeypat
     assert genlm.backend.AsyncMlxLM is AsyncMlxLM is defined
     assert issubclass(AsyncMlxLM, genlm.backend.AsyncLM)
     # MLX is imported only through this module: without MLX its import fails.
-    monkeypatch.setitem(sys.modules, "genlm.backend.llm.mlx_engine", None)
+    monkeypatch.setitem(sys.modules, "genlm.backend.llm.mlx.runtime", None)
     for use in (
         lambda: AsyncMlxLM.from_name("some/model"),
         lambda: AsyncMlxLM(None, None),

@@ -14,10 +14,10 @@ pass:
    every token its true position, so rows with different past lengths share
    the pass (RoPE and learned position embeddings alike).
 3. The model writes the new tokens' keys/values in place into that buffer
-   (`hf_batch.BatchLayer`); the logits at the positions the row's queries
+   (`batch_kv.BatchLayer`); the logits at the positions the row's queries
    end at become their results, copied into the `OutputCache` in one operation.
 4. A batch without padding keeps its buffer for the next ones (`KVWorkspace`
-   in `hf_batch` remembers the two most recent, one per storage); other
+   in `kv_workspace` remembers the two most recent, one per storage); other
    batches insert their new key/values into the tree.
 
 A sampler's next step extends every row of one remembered batch by the same
@@ -44,8 +44,9 @@ import torch
 
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import LoraRegistry
-from genlm.backend.llm.hf_batch import BatchKV, KVWorkspace, RememberedBatch
-from genlm.backend.llm.hf_query import Query
+from genlm.backend.llm.hf.batch_kv import BatchKV
+from genlm.backend.llm.hf.query import Query
+from genlm.backend.llm.kv_workspace import KVWorkspace, RememberedBatch
 from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 _log = logging.getLogger(__name__)

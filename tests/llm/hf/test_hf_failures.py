@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend.llm.hf import AsyncTransformer
 
-ATOL = 1e-5  # the CPU tolerance of tests/llm/test_hf.py (TINY_ATOL)
+ATOL = 1e-5  # the CPU tolerance of tests/llm/hf/test_hf.py (TINY_ATOL)
 
 
 def random_ids(seed, n, vocab=49152):
@@ -100,7 +100,7 @@ def test_all_prefixes_of_a_long_context_run_in_segments_within_the_bound(model_a
 
 @pytest.mark.slow
 def test_smollm2_scores_every_prefix_in_segments_like_one_forward_pass(smollm2_path):
-    # SmolLM2 (30 layers, logits O(10)): the 1e-4 of tests/llm/test_hf.py, ~1e-5 measured.
+    # SmolLM2 (30 layers, logits O(10)): the 1e-4 of tests/llm/hf/test_hf.py, ~1e-5 measured.
     lm = AsyncTransformer.from_name(str(smollm2_path), hf_opts={"dtype": torch.float32})
     sequence = random_ids(60, 300)
     lm.max_batch_bytes = 2 * lm._passes.working_set(1, 300, 100, 100)
@@ -250,7 +250,7 @@ async def test_out_of_memory_in_the_first_pass_is_retried_in_halves(lm, caplog):
     # it reruns from the tree, and out of memory again, in halves.
     passes = Passes(lm, failing={1, 2})
     try:
-        with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf_forward"):
+        with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf.forward"):
             rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     finally:
         passes.close()

@@ -26,7 +26,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
 
 from genlm.backend.errors import EngineDeadError
-from genlm.backend.llm.vllm_logits import reported_engine_death, worker_processes
+from genlm.backend.llm.vllm.capture import reported_engine_death, worker_processes
 
 logger = logging.getLogger(__name__)
 

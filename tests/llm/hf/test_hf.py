@@ -153,7 +153,7 @@ async def test_lockstep_particles_reuse_the_previous_batch_and_match_uncached(lm
     # Particles of equal length that all grow by one token are the SMC pattern the backend
     # serves from the previous batch's buffer (in place, or one copy per row after
     # resampling) instead of gathering cached segments; results must not change.
-    from genlm.backend.llm.hf_batch import BatchKV
+    from genlm.backend.llm.hf.batch_kv import BatchKV
 
     gathers = []
     original = BatchKV._gather
@@ -219,7 +219,7 @@ async def test_a_step_that_outgrows_the_buffer_copies_its_rows_into_a_new_one(
 ):
     # More rows, or more tokens than the buffer's spare slots: the step's rows are copied
     # from the last batch's buffer into the other storage, not gathered from the tree.
-    from genlm.backend.llm.hf_batch import BatchKV
+    from genlm.backend.llm.hf.batch_kv import BatchKV
 
     prompt = random_ids(22, 8)
     particles = [prompt + [i] for i in range(4)]
@@ -241,7 +241,7 @@ async def test_a_sampler_and_a_critic_that_alternate_both_continue_in_place(lm, 
     # prompt, all but the newest cached) alternate, each extending its previous batch by one
     # token. Both batches stay in the workspace: once each has run, no batch gathers its
     # rows from the tree or inserts rows into it.
-    from genlm.backend.llm.hf_batch import BatchKV
+    from genlm.backend.llm.hf.batch_kv import BatchKV
 
     gathers, inserts = [], []
     original_gather, original_insert = BatchKV._gather, lm.kv_cache.insert
@@ -277,7 +277,7 @@ async def test_a_sampler_and_a_critic_that_alternate_both_continue_in_place(lm, 
 
 
 def test_the_workspace_keeps_two_batches_one_per_storage_and_spills_the_one_it_reuses():
-    from genlm.backend.llm.hf_batch import KVWorkspace
+    from genlm.backend.llm.kv_workspace import KVWorkspace
 
     spilled = []
     workspace = KVWorkspace(batches=2, spill=spilled.append)

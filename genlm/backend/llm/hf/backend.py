@@ -1,7 +1,7 @@
-"""The transformers backend: `AsyncTransformer` (and the `Query` it batches, from `hf_query`).
+"""The transformers backend: `AsyncTransformer` (and the `Query` it batches, from `query`).
 
 How a batch is evaluated (planned passes, the batch buffer, the prefix tree,
-the working-memory bound) is `hf_forward.ForwardPasses`, which the backend
+the working-memory bound) is `forward.ForwardPasses`, which the backend
 owns; this module is the public surface: queries, caches, adapters.
 """
 
@@ -18,8 +18,8 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
 from genlm.backend.llm.base import AsyncLM, check_token_ids, rows_through_cache
-from genlm.backend.llm.hf_forward import ForwardPasses
-from genlm.backend.llm.hf_query import Query
+from genlm.backend.llm.hf.forward import ForwardPasses
+from genlm.backend.llm.hf.query import Query
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Results of recent queries: 256 MiB holds 1,365 rows of a 49,152-token vocabulary (float32),

@@ -253,12 +253,12 @@ async def test_lockstep_particles_continue_the_last_batch_at_one_token_each(lm, 
     # The SMC pattern: every step extends each particle by one token. After the first
     # step the batch continues in the last batch's arrays (rows reordered after resampling)
     # instead of gathering prefixes from the tree, and runs one token per distinct particle.
-    from genlm.backend.llm import mlx_engine
+    from genlm.backend.llm.mlx import runtime
 
     gathers = []
-    original = mlx_engine.gather_layers
+    original = runtime.gather_layers
     monkeypatch.setattr(
-        mlx_engine, "gather_layers", lambda *args: gathers.append(1) or original(*args)
+        runtime, "gather_layers", lambda *args: gathers.append(1) or original(*args)
     )
     spy = Spy(lm)
     try:

@@ -1,24 +1,24 @@
 """The MLX backend: `AsyncMlxLM`, on Apple silicon or MLX's Linux CPU build.
 
-The same machinery as the transformers backend (`hf.py`), with MLX as the engine:
+The same machinery as the transformers backend (`llm.hf`), with MLX as the engine:
 
 1. Concurrent queries are batched by the shared `AutoBatcher`; results are
    kept in an `OutputCache` and the key/values of every evaluated context in a
    `KVPrefixCache` (one tree per adapter, as CPU tensors).
 2. A batch lays its rows' cached prefixes out per layer as
-   `[past (right-padded) | new tokens]` (`mlx_engine.BatchLayerCache`, which
+   `[past (right-padded) | new tokens]` (`runtime.BatchLayerCache`, which
    takes the place of mlx-lm's cache layers); a mask and per-row RoPE offsets
    let rows with different prefix lengths share one forward pass.
 3. The new tokens' key/values go into the tree, and the logits at each
    position read become its result (log-softmax in float32); the output
-   projection runs at those positions only (`mlx_engine.read_logits`).
+   projection runs at those positions only (`runtime.read_logits`).
 
 Batches are planned as `AsyncTransformer`'s (`passes.plan_passes`), and a pass
 whose rows differ much in length runs in `passes.sub_batches`, so that padding
 at most about doubles its work.
 
 A sampler's next step usually extends every row of the last batch by a token:
-it then continues in the last batch's arrays (`KVWorkspace` in `hf_batch`
+it then continues in the last batch's arrays (`KVWorkspace`, shared with the transformers backend,
 tells which row holds each new row's prefix), rows reordered only after
 resampling, so a step costs about one token of compute per particle.
 
@@ -41,7 +41,7 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM, check_token_ids
-from genlm.backend.llm.hf_batch import KVWorkspace
+from genlm.backend.llm.kv_workspace import KVWorkspace
 from genlm.backend.llm.passes import Row, plan_passes, sub_batches
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
@@ -56,10 +56,10 @@ _INSTALL_HINT = "the MLX backend needs MLX and mlx-lm: pip install 'genlm-backen
 Request = tuple[str | None, tuple[int, ...]]  # (adapter, token ids): also its batching key
 
 
-def _engine() -> Any:
-    """The `mlx_engine` module (importing MLX), or an `ImportError` naming the extra."""
+def _runtime() -> Any:
+    """The `runtime` module (importing MLX), or an `ImportError` naming the extra."""
     try:
-        return importlib.import_module("genlm.backend.llm.mlx_engine")
+        return importlib.import_module("genlm.backend.llm.mlx.runtime")
     except ImportError as error:
         raise ImportError(_INSTALL_HINT) from error
 
@@ -111,7 +111,7 @@ class AsyncMlxLM(AsyncLM):
         cache_size: int | None = None,
         output_cache_bytes: int = DEFAULT_OUTPUT_CACHE_BYTES,
     ):
-        engine = _engine()
+        engine = _runtime()
         engine.check_supported(mlx_lm_model)
         super().__init__(engine.hf_tokenizer(tokenizer))
         self.model = mlx_lm_model
@@ -151,7 +151,7 @@ class AsyncMlxLM(AsyncLM):
         Raises:
             ImportError: If MLX or mlx-lm is not installed.
         """
-        _engine()
+        _runtime()
         import mlx_lm
 
         opts = dict(mlx_lm_opts or {})
@@ -265,7 +265,7 @@ class AsyncMlxLM(AsyncLM):
             self._selection.name = adapter
             logits = self.model(mx.array([ids]))[0, -1].astype(mx.float32)
             mx.eval(logits)
-        return torch.log_softmax(_engine().to_torch(logits), dim=-1)
+        return torch.log_softmax(_runtime().to_torch(logits), dim=-1)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
         """Compute and keep the key/values (and the result) of a prompt.
@@ -312,7 +312,7 @@ class AsyncMlxLM(AsyncLM):
         Raises:
             ValueError: If the folder holds no LoRA adapter for this model.
         """
-        engine = _engine()
+        engine = _runtime()
         weights, scale = engine.read_adapter(lora_path)
         with self._model_lock:
             if lora_name in self.loras:
@@ -350,7 +350,7 @@ class AsyncMlxLM(AsyncLM):
         """
         with self._model_lock:
             self.loras.remove(lora_name)
-            _engine().detach_adapter(self.model, lora_name)
+            _runtime().detach_adapter(self.model, lora_name)
             self._forget_adapter(lora_name)
 
     def _forget_adapter(self, adapter: str) -> None:
@@ -424,7 +424,7 @@ class AsyncMlxLM(AsyncLM):
         """
         import mlx.core as mx
 
-        engine = _engine()
+        engine = _runtime()
         pasts = [
             self.kv_cache.match(
                 row.context, adapter, (row.reads[0] if row.reads else len(row.context)) - 1
@@ -476,7 +476,7 @@ class AsyncMlxLM(AsyncLM):
         rows continue them), and the row and input index of each position read."""
         import mlx.core as mx
 
-        engine = _engine()
+        engine = _runtime()
         contexts = [row.context for row in rows]
         past_lengths = [past.length for past in pasts]
         new_tokens = [ids[length:] for ids, length in zip(contexts, past_lengths, strict=True)]

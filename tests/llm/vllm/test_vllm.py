@@ -25,7 +25,7 @@ from genlm.backend.llm.vllm import (  # noqa: E402
     GlobalLogprobsCapture,
     LogprobsWorkerExtension,
 )
-from genlm.backend.llm.vllm_logits import remove_from_sampler  # noqa: E402
+from genlm.backend.llm.vllm.capture import remove_from_sampler  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(assets.cache_root() / "vllm"))
@@ -728,7 +728,7 @@ class StandInV2Sampler:
 def test_v2_runner_sampler_records_rows_by_slot():
     from vllm import SamplingParams
 
-    from genlm.backend.llm.vllm_logits import CapturingSampler, add_to_sampler
+    from genlm.backend.llm.vllm.capture import CapturingSampler, add_to_sampler
 
     sampler = StandInV2Sampler()
     runner = SimpleNamespace(sampler=sampler, req_states=object())

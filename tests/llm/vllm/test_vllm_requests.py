@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from genlm.backend.llm.vllm_requests import adapts_output_layer, plan_requests
+from genlm.backend.llm.vllm.request_plan import adapts_output_layer, plan_requests
 
 
 def always(adapter):

@@ -1,4 +1,4 @@
-"""`Query`: what `AsyncTransformer` queues and its batch evaluation (`hf_forward`) answers."""
+"""`Query`: what `AsyncTransformer` queues and its batch evaluation (`forward`) answers."""
 
 from __future__ import annotations
 

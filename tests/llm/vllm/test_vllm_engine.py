@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from genlm.backend.errors import EngineDeadError
-from genlm.backend.llm.vllm_engine import EngineLoop, EngineRequest
+from genlm.backend.llm.vllm.engine_loop import EngineLoop, EngineRequest
 
 LIMIT = 10  # seconds any future may take
 

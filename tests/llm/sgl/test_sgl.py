@@ -18,7 +18,7 @@ import sys
 import textwrap
 
 import pytest
-import sgl_standin  # pytest's default "prepend" import mode puts tests/llm on sys.path
+import sgl_standin  # pytest's default "prepend" import mode puts tests/llm/sgl on sys.path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

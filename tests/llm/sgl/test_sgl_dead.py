@@ -11,7 +11,7 @@ shared. That other errors leave the scheduler usable is tested in `test_sgl.py`.
 import asyncio
 
 import pytest
-import sgl_standin  # pytest's default "prepend" import mode puts tests/llm on sys.path
+import sgl_standin  # pytest's default "prepend" import mode puts tests/llm/sgl on sys.path
 import torch
 from test_sgl import ENGINE_OPTS, LONG, contexts, until
 

@@ -84,7 +84,7 @@ def test_all_prefixes_of_a_long_context_run_in_segments_within_the_bound(model_a
     sequence = random_ids(1, 40)
     lm = AsyncTransformer(model, tokenizer, max_batch_bytes=8 * 2**20)
     # One pass cannot hold the row.
-    assert lm._passes.working_set(1, 40, 40, 40) > lm.max_batch_bytes // 2
+    assert lm._passes.memory.working_set(1, 40, 40, 40) > lm.max_batch_bytes // 2
     passes = Passes(lm)
     try:
         rows = lm.batch_next_token_logprobs_sync([sequence[:n] for n in range(1, 41)])
@@ -95,7 +95,7 @@ def test_all_prefixes_of_a_long_context_run_in_segments_within_the_bound(model_a
     assert len(passes.shapes) > 1 and all(rows == 1 for rows, _ in passes.shapes)
     assert sum(tokens for _, tokens in passes.shapes) == 40
     for _, tokens in passes.shapes:
-        assert lm._passes.working_set(1, 40, tokens, tokens) <= lm.max_batch_bytes // 2
+        assert lm._passes.memory.working_set(1, 40, tokens, tokens) <= lm.max_batch_bytes // 2
 
 
 @pytest.mark.slow
@@ -103,7 +103,7 @@ def test_smollm2_scores_every_prefix_in_segments_like_one_forward_pass(smollm2_p
     # SmolLM2 (30 layers, logits O(10)): the 1e-4 of tests/llm/hf/test_hf.py, ~1e-5 measured.
     lm = AsyncTransformer.from_name(str(smollm2_path), hf_opts={"dtype": torch.float32})
     sequence = random_ids(60, 300)
-    lm.max_batch_bytes = 2 * lm._passes.working_set(1, 300, 100, 100)
+    lm.max_batch_bytes = 2 * lm._passes.memory.working_set(1, 300, 100, 100)
     passes = Passes(lm)
     try:
         rows = lm.batch_next_token_logprobs_sync([sequence[:n] for n in range(1, 301)])
@@ -138,7 +138,7 @@ async def test_a_long_chain_in_a_batch_of_particles_keeps_every_row(model_and_to
 async def test_a_context_too_long_for_the_bound_fails_only_its_caller(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     probe = AsyncTransformer(model, tokenizer)
-    bound = 2 * probe._passes.working_set(1, 200, 1, 1)  # contexts of 200 tokens fit, 700 do not
+    bound = 2 * probe._passes.memory.working_set(1, 200, 1, 1)  # 200-token contexts fit, 700 do not
     lm = AsyncTransformer(model, tokenizer, max_batch_bytes=bound)
     contexts = [[1, 2, 3], [4, 5, 6, 7], random_ids(4, 700)]
     results = await asyncio.gather(
@@ -162,8 +162,8 @@ async def test_a_bound_that_shrinks_after_submission_fails_only_the_long_query(
     lm = AsyncTransformer(model, tokenizer)
     contexts = [[1, 2, 3], [4, 5, 6, 7], random_ids(6, 700)]
     # The short ones fit, one token after 700 does not.
-    limit = lm._passes.working_set(1, 700, 1, 1) - 1
-    monkeypatch.setattr(lm._passes, "batch_limit", lambda: limit)
+    limit = lm._passes.memory.working_set(1, 700, 1, 1) - 1
+    monkeypatch.setattr(lm._passes.memory, "batch_limit", lambda: limit)
     results = await asyncio.gather(
         *(lm.next_token_logprobs(c) for c in contexts), return_exceptions=True
     )
@@ -250,7 +250,7 @@ async def test_out_of_memory_in_the_first_pass_is_retried_in_halves(lm, caplog):
     # it reruns from the tree, and out of memory again, in halves.
     passes = Passes(lm, failing={1, 2})
     try:
-        with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf.forward"):
+        with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf.memory"):
             rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     finally:
         passes.close()
@@ -264,7 +264,7 @@ async def test_out_of_memory_in_the_first_pass_is_retried_in_halves(lm, caplog):
 async def test_out_of_memory_in_a_second_sub_batch(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     probe = AsyncTransformer(model, tokenizer)
-    bound = 2 * probe._passes.working_set(3, 30, 30, 3)
+    bound = 2 * probe._passes.memory.working_set(3, 30, 30, 3)
     lm = AsyncTransformer(model, tokenizer, max_batch_bytes=bound)
     contexts = [random_ids(20 + i, 30) for i in range(8)]
     passes = Passes(lm, failing={2})

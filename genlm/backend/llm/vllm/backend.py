@@ -18,8 +18,14 @@ this process (the capture is read directly) or several worker processes (each
 worker records, one sends the rows back through `collective_rpc`). Of the
 latter, tensor parallelism through vLLM's multiprocessing executor is tested
 (CPU build); Ray, several nodes and pipeline parallelism are not (see
-docs/backends.md). Every use of vLLM internals is in `capture`; the
-engine's public `add_request` / `step` loop is in `engine_loop`.
+docs/backends.md).
+
+This module is the public surface and the lifecycle; it composes the parts of
+the package: `engine_options` (how `from_name` configures an engine),
+`engine_loop` (the engine's public `add_request` / `step` loop on its thread),
+`capture` (every use of vLLM internals: the logits capture and its hooks),
+`request_plan` (queries -> engine requests), `row_requests` (a batch's
+requests run and its rows delivered) and `adapters` (LoRA requests and ids).
 
 When the engine or one of its worker processes dies, every waiting and every
 later call raises `genlm.backend.errors.EngineDeadError` (see `EngineLoop`).
@@ -29,12 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
-import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,30 +52,20 @@ from genlm.backend.llm.base import (
     stack_rows,
     with_default_output_cache,
 )
+from genlm.backend.llm.vllm import adapters
+from genlm.backend.llm.vllm.adapters import EngineAdapters
 from genlm.backend.llm.vllm.capture import (
-    EXTENSION,
     GlobalLogprobsCapture,
     LogprobsWorkerExtension,
-    hook_error,
     import_vllm,
     logits_source,
     shutdown_engine,
     vllm_chose_v2_runner,
 )
-from genlm.backend.llm.vllm.engine_loop import close_engine_loop, engine_loop, then
-from genlm.backend.llm.vllm.request_plan import (
-    SampleRequest,
-    adapts_output_layer,
-    captured_request,
-    check_capture,
-    new_tags,
-    plan_requests,
-    probe_request,
-    raise_first_error,
-    refused,
-    sample_request,
-    until_stop,
-)
+from genlm.backend.llm.vllm.engine_loop import close_engine_loop, engine_loop
+from genlm.backend.llm.vllm.engine_options import engine_options, use_v1_runner_from_now
+from genlm.backend.llm.vllm.request_plan import SampleRequest, probe_request, raise_first_error
+from genlm.backend.llm.vllm.row_requests import RowRequests
 
 __all__ = ["AsyncVirtualLM", "GlobalLogprobsCapture", "LogprobsWorkerExtension"]
 
@@ -140,18 +133,16 @@ class AsyncVirtualLM(AsyncLM):
         self.vocab_size = model_config.get_vocab_size()
         self.max_model_len = model_config.max_model_len
         self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
+        self._adapters = EngineAdapters(self.loras, llm_engine, self._engine, self.cache)
+        block_size = llm_engine.llm_engine.vllm_config.cache_config.block_size
+        self._requests = RowRequests(
+            self._engine, self._logits, self.cache, self._adapters, block_size
+        )
         self._logprobs_batcher = AutoBatcher(
             self._evaluate_logprobs, batch_size, timeout, key=lambda query: query
         )
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
         self._closed = False
-        # Whether queries that are prefixes of a longer one share its request (see
-        # `request_plan`): the engine must record rows at prompt positions.
-        self._chains = self._logits.reads_prompt_rows
-        # Adapters with output-layer weights, which the prompt-position rows leave out.
-        self._unchained_adapters: set = set()
-        self._lora_ids: set[int] = set()  # every LoRA id given out (see `_fresh_lora_id`)
-        self._block_size = llm_engine.llm_engine.vllm_config.cache_config.block_size
         self._check_capture()
 
     @classmethod
@@ -202,19 +193,7 @@ class AsyncVirtualLM(AsyncLM):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = import_vllm()
         kwargs = with_default_output_cache(kwargs)
-        from vllm.platforms import current_platform
-
-        options = {"enable_prefix_caching": True, "worker_extension_cls": EXTENSION}
-        engine_opts = engine_opts or {}
-        if current_platform.is_cpu():
-            options["block_size"] = 32
-            sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & engine_opts.keys()
-            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and not sized:
-                import psutil
-
-                available = psutil.virtual_memory().available
-                options["kv_cache_memory_bytes"] = min(2 << 30, available // 4)
-        options.update(engine_opts)
+        options = engine_options(engine_opts)
         llm = vllm.LLM(model=model_name, **options)
         may_fall_back = vllm_chose_v2_runner(llm)
         try:
@@ -229,13 +208,7 @@ class AsyncVirtualLM(AsyncLM):
                 exc,
             )
         del llm
-        gc.collect()
-        if torch.cuda.is_available():  # so the next engine's memory check sees it free
-            torch.cuda.empty_cache()
-        from vllm import envs as vllm_envs
-
-        vllm_envs.disable_envs_cache()  # its first engine froze the settings it had read
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        use_v1_runner_from_now()
         return cls._wrap_or_discard(vllm.LLM(model=model_name, **options), kwargs)
 
     @classmethod
@@ -355,7 +328,7 @@ class AsyncVirtualLM(AsyncLM):
         cached = self.cache.get(query)
         if cached is not None:
             return cached
-        return raise_first_error(self._run_logprobs([query]).result())[0]
+        return raise_first_error(self._requests.logprobs([query]).result())[0]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
@@ -384,7 +357,7 @@ class AsyncVirtualLM(AsyncLM):
             return torch.empty((0, self.vocab_size))
         queries = [self._query(token_ids, lora_name) for token_ids in token_ids_list]
         distinct = list(dict.fromkeys(queries))
-        computed = raise_first_error(self._run_logprobs(distinct).result())
+        computed = raise_first_error(self._requests.logprobs(distinct).result())
         rows = dict(zip(distinct, computed, strict=True))
         return stack_rows([rows[query] for query in queries])
 
@@ -419,7 +392,7 @@ class AsyncVirtualLM(AsyncLM):
         """
         check_sampling_args(max_tokens, temperature)
         self._check_open()
-        lora = self._lora_request(lora_name)
+        lora = self._adapters.request(lora_name)
         prompt = check_token_ids(prompt_token_ids, self.vocab_size, self.max_model_len - 1)
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         if max_tokens == 0:
@@ -454,20 +427,7 @@ class AsyncVirtualLM(AsyncLM):
             EngineDeadError: If the engine died.
         """
         self._check_open()
-        if self.llm_engine.llm_engine.vllm_config.lora_config is None:
-            raise ValueError(
-                "this vLLM engine was created without LoRA support: pass "
-                "engine_opts={'enable_lora': True, 'max_lora_rank': <rank>} to from_name"
-            )
-        from vllm.lora.request import LoRARequest
-
-        replaced = self.loras[lora_name] if lora_name in self.loras else None
-        request = LoRARequest(lora_name, self._fresh_lora_id(lora_name), lora_path)
-        self.loras.add(lora_name, request)
-        if adapts_output_layer(lora_path):
-            self._unchained_adapters.add(request)
-        if replaced is not None:
-            self._forget_adapter(replaced)
+        self._adapters.add(lora_path, lora_name)
 
     def set_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Use the adapter `lora_name` for calls with `lora_name=None` (results stay per adapter).
@@ -503,24 +463,7 @@ class AsyncVirtualLM(AsyncLM):
             EngineDeadError: If the engine died.
         """
         self._check_open()
-        self._forget_adapter(self.loras.remove(lora_name))
-
-    def _forget_adapter(self, request: Any) -> None:
-        """Drop a `LoRARequest` that is no longer registered from the cache and the engine."""
-        self.cache.remove_if(lambda query: query[0] == request)
-        self._unchained_adapters.discard(request)
-        # The engine keeps loaded adapters by id; no later registration reuses this one.
-        self._engine.call(self.llm_engine.llm_engine.remove_lora, request.lora_int_id).result()
-
-    def _fresh_lora_id(self, lora_name: str) -> int:
-        """`hash_to_int(lora_name)`, or if given out before, that of the first `lora_name#k` (k =
-        1, 2, ...) whose id was not: a request of a replaced or removed adapter still in the
-        engine may load its weights again under its id, which no later registration shares."""
-        later = (f"{lora_name}#{k}" for k in itertools.count(1))
-        candidates = itertools.chain([lora_name], later)
-        lora_id = next(i for i in map(self.hash_to_int, candidates) if i not in self._lora_ids)
-        self._lora_ids.add(lora_id)
-        return lora_id
+        self._adapters.remove(lora_name)
 
     @staticmethod
     def hash_to_int(value: str) -> int:
@@ -532,8 +475,7 @@ class AsyncVirtualLM(AsyncLM):
         Returns:
             An int in `[1, 2**31 - 1]`, the same in every process.
         """
-        digest = hashlib.sha256(value.encode("utf-8")).digest()
-        return int.from_bytes(digest[:8], "big") % (2**31 - 1) + 1
+        return adapters.hash_to_int(value)
 
     def cleanup(self) -> None:
         """Shut the engine down and free its memory; later calls raise `RuntimeError`.
@@ -548,6 +490,7 @@ class AsyncVirtualLM(AsyncLM):
         self.logprobs_capture.clear()
         _discard_engine(self.llm_engine)
         self.llm_engine = self._logits = self._engine = None
+        self._requests = self._adapters = None
         gc.collect()
 
     def __enter__(self) -> AsyncVirtualLM:
@@ -567,141 +510,22 @@ class AsyncVirtualLM(AsyncLM):
             raise RuntimeError("this AsyncVirtualLM was cleaned up; create a new one")
         self._engine.check_alive()
 
-    def _adapter_check(self, lora: Any) -> Callable[[], ValueError | None] | None:
-        """For a request with `lora`: whether it is still the adapter registered under its name."""
-        if lora is None:
-            return None
-
-        def check() -> ValueError | None:
-            name = lora.lora_name
-            if name in self.loras and self.loras[name] is lora:
-                return None
-            return self.loras.removed_error(name)  # removed, or replaced by another
-
-        return check
-
-    def _lora_request(self, lora_name: str | None) -> Any:
-        """The `LoRARequest` a call with `lora_name` uses (`None`: the base model)."""
-        adapter = self.loras.select(lora_name)
-        return None if adapter is None else self.loras[adapter]
-
     def _query(self, token_ids: Sequence[int], lora_name: str | None) -> tuple[Any, ...]:
         # A query is (LoRA request or None, token ids): results differ per adapter.
         self._check_open()
-        lora = self._lora_request(lora_name)
+        lora = self._adapters.request(lora_name)
         return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
 
     def _check_capture(self) -> None:
-        """Check the capture on one request (see `check_capture`); it may turn chains off."""
+        """Check the capture on one request (see `request_plan.check_capture`)."""
         max_logprobs = self.llm_engine.llm_engine.model_config.max_logprobs
-        self._chains = check_capture(self._engine, self._logits, self._chains, max_logprobs)
+        self._requests.check_capture(max_logprobs)
 
     async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
-        return await asyncio.wrap_future(self._run_logprobs(queries))
+        return await asyncio.wrap_future(self._requests.logprobs(queries))
 
     async def _evaluate_samples(self, requests: list[SampleRequest]) -> list[list[int]]:
-        return await asyncio.wrap_future(self._run_samples(requests))
-
-    def _run_logprobs(self, queries: list[tuple]) -> Future:
-        """Put the queries into the engine; the future gives their rows (or their errors).
-
-        Queries that are prefixes of a longer one share its request (see
-        `request_plan`). A chain's rows at positions the engine took from
-        its prefix cache are missing: those queries are asked again, by
-        chains that recompute their whole prompt or by requests of their own,
-        whichever computes fewer tokens.
-        """
-
-        def ask_again(outcomes: list) -> list | Future:
-            missing = [i for i, outcome in enumerate(outcomes) if outcome is None]
-            if not missing:
-                return outcomes
-
-            def fill(again: list) -> list:
-                for i, outcome in zip(missing, again, strict=True):
-                    outcomes[i] = outcome
-                return outcomes
-
-            return then(self._submit_logprobs([queries[i] for i in missing], True), fill)
-
-        return then(self._submit_logprobs(queries, False), ask_again)
-
-    def _may_chain(self, lora: Any) -> bool:
-        """Whether queries for `lora` may share a request (see `plan_requests`)."""
-        return self._chains and lora not in self._unchained_adapters
-
-    def _submit_logprobs(self, queries: list[tuple], recompute: bool) -> Future:
-        """One round of requests for `queries` (see `plan_requests` for `recompute`).
-
-        The future gives one outcome per query: its row, the error that kept
-        its request out, or `None` for a row the request could not read (not
-        when `recompute`: then that is an error).
-        """
-        plan = plan_requests(queries, self._may_chain, recompute, self._block_size)
-        tags = new_tags(len(queries))
-        requests = []
-        for chain in plan:
-            lora, ids = queries[chain.members[0]]
-            # Every member's row, the first one's too, in query order: one tensor of rows
-            # per engine step, which is the caller's result as it is when the queries are
-            # all of a call's (see `rows_through_cache`).
-            members = sorted(chain.members) if len(chain.members) > 1 else []
-            prompt_rows = [(len(queries[i][1]) - 1, tags[i]) for i in members]
-            requests.append(
-                captured_request(
-                    ids,
-                    lora,
-                    tags[chain.members[0]],
-                    self._logits.owner,
-                    check=self._adapter_check(lora),
-                    prompt_rows=prompt_rows,
-                    reads_prefix_cache=chain.reads_prefix_cache,
-                )
-            )
-
-        def finish(outcomes: list) -> list[torch.Tensor | BaseException | None]:
-            results: list[Any] = [None] * len(queries)
-            served = []
-            for chain, outcome in zip(plan, outcomes, strict=True):
-                if refused(outcome):
-                    for i in chain.members:
-                        results[i] = outcome
-                else:
-                    served.extend(chain.members)
-            rows = self._logits.take([tags[i] for i in served]) if served else []
-            leads = {chain.members[0] for chain in plan}
-            unread = sum(row is None and i in leads for i, row in zip(served, rows, strict=True))
-            if unread:
-                raise RuntimeError(hook_error(f"no logits were recorded for {unread} requests"))
-            found = [(i, row) for i, row in zip(served, rows, strict=True) if row is not None]
-            for i, row in found:
-                results[i] = row
-            self.cache.store_rows([queries[i] for i, _ in found], [row for _, row in found])
-            if recompute:
-                error = RuntimeError(hook_error("a row at a prompt position was not recorded"))
-                results = [error if outcome is None else outcome for outcome in results]
-            return results
-
-        def discard() -> None:  # rows recorded before the failure
-            self._logits.take(tags, discard=True)
-
-        return self._engine.run(requests, finish, discard)
-
-    def _run_samples(self, requests: list[SampleRequest]) -> Future:
-        """Put the sampling requests into the engine; the future gives their tokens."""
-        engine_requests = [
-            sample_request(request, self._adapter_check(request.lora)) for request in requests
-        ]
-
-        def finish(outcomes: list) -> list[list[int] | ValueError]:
-            return [
-                outcome
-                if refused(outcome)
-                else until_stop(outcome.outputs[0].token_ids, request.eos_token_ids)
-                for request, outcome in zip(requests, outcomes, strict=True)
-            ]
-
-        return self._engine.run(engine_requests, finish)
+        return await asyncio.wrap_future(self._requests.samples(requests))
 
 
 def _discard_engine(llm: Any) -> None:

@@ -47,6 +47,22 @@ Unlike SGLang's scheduler, which trusts its TokenizerManager to send only
 loaded adapters' ids, the stand-in checks `lora_id` itself, so a driver that
 sends a stale id sees an abort instead of wrong numbers.
 
+`install(monkeypatch, release)` installs the scheduler as one SGLang release
+shapes it; each release in `RELEASES` is the first with one more difference a
+driver must handle (read in the released wheels' `scheduler.py`, `io_struct.py`
+and `runtime_context.py`):
+
+- 0.5.12.post1: as above; `TokenizedGenerateReqInput.input_ids` is a list;
+- 0.5.13: `input_ids` is an `array("q")` (SGLang extends it with arrays, so a
+  list fails with "can only concatenate list (not "array.array") to list");
+- 0.5.15: the request type is keyword-only and `input_embeds` and
+  `token_type_ids` have no defaults;
+- 0.5.16: `get_next_batch_to_run(running_batch, last_batch)` returns a plan
+  (`batch_to_run`, `running_batch`) and the scheduler keeps no `cur_batch`;
+- 0.5.21: `Scheduler(server_args, port_args)`: the ranks come from
+  `sglang.srt.runtime_context.publish(server_args, role=..., ranks=SpawnRanks(...))`,
+  which must run first.
+
 Failures for tests to inject: `fail_next_run` makes the next `run_batch`
 raise once; `device_error` makes every `run_batch` from then on raise it, as
 a GPU whose context a device error (an illegal memory access, a device-side
@@ -59,6 +75,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from array import array
 from typing import Any
 
 import torch
@@ -82,8 +99,17 @@ class SamplingParams:
         self.normalized = True
 
 
+RELEASES = ("0.5.12.post1", "0.5.13", "0.5.15", "0.5.16", "0.5.21")
+
+
+def _version(release: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in release.split(".")[:3])
+
+
 @dataclasses.dataclass
 class TokenizedGenerateReqInput:
+    """The request type up to 0.5.12.post1."""
+
     input_text: str
     input_ids: list[int]
     mm_inputs: Any
@@ -93,8 +119,43 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int
     token_ids_logprob: list[int] | None
     stream: bool
+    input_embeds: Any = None
+    token_type_ids: list[int] | None = None
     rid: str | None = dataclasses.field(default=None, kw_only=True)
     lora_id: str | None = dataclasses.field(default=None, kw_only=True)
+
+
+@dataclasses.dataclass
+class ArrayIdsReqInput(TokenizedGenerateReqInput):
+    """The request type of 0.5.13 and 0.5.14: token ids as an `array("q")`."""
+
+    input_ids: array
+
+
+@dataclasses.dataclass(kw_only=True)
+class KeywordReqInput:
+    """The request type from 0.5.15 on: keyword-only, every field but a few required."""
+
+    input_text: str
+    input_ids: array
+    input_embeds: Any
+    mm_inputs: Any
+    token_type_ids: list[int] | None
+    sampling_params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    token_ids_logprob: list[int] | None
+    stream: bool
+    rid: str | None = None
+    lora_id: str | None = None
+
+
+def _request_type(release: str) -> type:
+    version = _version(release)
+    if version >= (0, 5, 15):
+        return KeywordReqInput
+    return ArrayIdsReqInput if version >= (0, 5, 13) else TokenizedGenerateReqInput
 
 
 @dataclasses.dataclass
@@ -211,6 +272,12 @@ class LogitsProcessorOutput:
 
 
 @dataclasses.dataclass
+class NextBatchPlan:
+    batch_to_run: ScheduleBatch | None
+    running_batch: ScheduleBatch
+
+
+@dataclasses.dataclass
 class GenerationBatchResult:
     logits_output: LogitsProcessorOutput
     next_token_ids: torch.Tensor
@@ -244,6 +311,7 @@ class Scheduler:
         if _global_server_args != [server_args]:
             raise AssertionError("set_global_server_args_for_scheduler was not called first")
         self.server_args = server_args
+        self.request_type = _request_type(_installed["release"])
         self.gpu_id = gpu_id
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.enable_lora = server_args.enable_lora
@@ -288,7 +356,7 @@ class Scheduler:
         for recv in recv_reqs:
             if isinstance(recv, AbortReq):
                 self.abort_request(recv)
-            elif isinstance(recv, TokenizedGenerateReqInput):
+            elif isinstance(recv, self.request_type):
                 self._handle_generate_request(recv)
             else:
                 raise TypeError(f"unexpected request {type(recv).__name__}")
@@ -301,6 +369,13 @@ class Scheduler:
             raise NotImplementedError("the stand-in serves one-token greedy requests only")
         if not isinstance(recv.rid, str):
             raise ValueError("a request needs a string rid")
+        ids_type = array if self.request_type is not TokenizedGenerateReqInput else list
+        if not isinstance(recv.input_ids, ids_type):
+            # Where SGLang extends the prompt with the output ids, a step later.
+            raise TypeError(
+                f"can only concatenate {type(recv.input_ids).__name__} "
+                f'(not "{ids_type.__name__}") to {type(recv.input_ids).__name__}'
+            )
         req = Req(recv.rid, recv.input_ids, params, recv.lora_id)
         self.received.append(tuple(req.origin_input_ids))
         if len(req.origin_input_ids) >= self.max_req_input_len:
@@ -328,10 +403,13 @@ class Scheduler:
 
     # -- the event-loop steps ---------------------------------------------------
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.last_batch is not None:
-            if self.last_batch is self._retired:
+        return self._form_batch(self.last_batch)
+
+    def _form_batch(self, last_batch: ScheduleBatch | None) -> ScheduleBatch | None:
+        if last_batch is not None:
+            if last_batch is self._retired:
                 raise AssertionError("last_batch retired twice: the driver did not update it")
-            self._retired = self.last_batch
+            self._retired = last_batch
             self._chunk_retired = True
         if self.chunked_req is not None and not self._chunk_retired:
             # SGLang caches a chunk's KV when it retires `last_batch`; without it the
@@ -363,8 +441,8 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         if torch.is_grad_enabled():
             raise AssertionError("SGLang's event loop runs batches without gradients")
-        if self.cur_batch is not batch:
-            raise AssertionError("cur_batch must be the batch being run")
+        if self._batch_to_run() is not batch:
+            raise AssertionError("the batch run must be the one the scheduler gave last")
         self.run_attempts += 1
         if self.device_error is not None:
             raise self.device_error
@@ -474,23 +552,110 @@ class Scheduler:
         )
 
     def is_idle(self) -> bool:
-        return not self.waiting_queue and self.chunked_req is None and self.cur_batch is None
+        return not self.waiting_queue and self.chunked_req is None and self._batch_to_run() is None
+
+    def _batch_to_run(self) -> ScheduleBatch | None:
+        return self.cur_batch
 
 
-def install(monkeypatch: Any) -> None:
-    """Make this module importable under SGLang's module paths for one test."""
+class PlanningScheduler(Scheduler):
+    """The scheduler from 0.5.16 on: the next batch comes in a plan."""
+
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        gpu_id: int,
+        tp_rank: int,
+        moe_ep_rank: int,
+        pp_rank: int,
+        dp_rank: int | None,
+    ):
+        super().__init__(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank)
+        del self.cur_batch
+        self.running_batch = ScheduleBatch([], [])
+        self._planned: ScheduleBatch | None = None
+
+    def get_next_batch_to_run(
+        self, running_batch: ScheduleBatch, last_batch: ScheduleBatch | None
+    ) -> NextBatchPlan:
+        if running_batch is not self.running_batch or last_batch is not self.last_batch:
+            raise AssertionError("the plan must start from the scheduler's own batches")
+        self._planned = self._form_batch(last_batch)
+        return NextBatchPlan(self._planned, ScheduleBatch([], []))
+
+    def _batch_to_run(self) -> ScheduleBatch | None:
+        return self._planned
+
+    def is_idle(self) -> bool:
+        # No `cur_batch` to check: the driver records a plan's batch only as `last_batch`.
+        return not self.waiting_queue and self.chunked_req is None
+
+
+_published: list[tuple[ServerArgs, SpawnRanks | None]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class SpawnRanks:
+    world_rank: int
+    dp_rank: int | None = None
+    gpu_id: int | None = None
+
+
+def publish(server_args: ServerArgs, *, role: str, ranks: SpawnRanks | None = None) -> None:
+    if role != "scheduler":
+        raise ValueError(f"unexpected role {role!r}")
+    _published[:] = [(server_args, ranks)]
+    _global_server_args[:] = [server_args]
+
+
+def spawn_world_rank(server_args: ServerArgs, *, tp_rank: int, pp_rank: int) -> int:
+    return tp_rank + pp_rank
+
+
+class RanklessScheduler(PlanningScheduler):
+    """The scheduler from 0.5.21 on: its ranks come from what was published."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs):
+        if not _published or _published[0][0] is not server_args or _published[0][1] is None:
+            raise AssertionError("publish(server_args, role=..., ranks=...) was not called first")
+        ranks = _published[0][1]
+        super().__init__(
+            server_args, port_args, ranks.gpu_id, ranks.world_rank, 0, 0, ranks.dp_rank
+        )
+
+
+def _scheduler_type(release: str) -> type:
+    version = _version(release)
+    if version >= (0, 5, 21):
+        return RanklessScheduler
+    return PlanningScheduler if version >= (0, 5, 16) else Scheduler
+
+
+_installed = {"release": "0.5.12.post1"}
+
+
+def install(monkeypatch: Any, release: str = "0.5.12.post1") -> None:
+    """Make this module importable under SGLang's module paths for one test, shaped as
+    `release` (one of `RELEASES`) shapes SGLang's scheduler and requests."""
+    monkeypatch.setitem(_installed, "release", release)
     modules = {
         "sglang": {},
         "sglang.srt": {},
         "sglang.srt.managers": {},
         "sglang.srt.managers.io_struct": {
-            "TokenizedGenerateReqInput": TokenizedGenerateReqInput,
+            "TokenizedGenerateReqInput": _request_type(release),
             "AbortReq": AbortReq,
             "LoadLoRAAdapterReqInput": LoadLoRAAdapterReqInput,
             "UnloadLoRAAdapterReqInput": UnloadLoRAAdapterReqInput,
             "LoRAUpdateOutput": LoRAUpdateOutput,
         },
-        "sglang.srt.managers.scheduler": {"Scheduler": Scheduler},
+        "sglang.srt.managers.scheduler": {"Scheduler": _scheduler_type(release)},
+        "sglang.srt.runtime_context": {
+            "SpawnRanks": SpawnRanks,
+            "publish": publish,
+            "spawn_world_rank": spawn_world_rank,
+        },
         "sglang.srt.sampling": {},
         "sglang.srt.sampling.sampling_params": {"SamplingParams": SamplingParams},
         "sglang.srt.server_args": {

@@ -174,6 +174,47 @@ def test_scheduler_without_tokenizer_is_rejected(tiny_gpt2_path, monkeypatch):
         )
 
 
+# -- SGLang releases -----------------------------------------------------------------
+# The stand-in shaped as each release that changed what a driver must do (see
+# `sgl_standin.RELEASES`): building the scheduler, the request type, the next-batch
+# call, chunked prefill, an engine error mid-batch, and the prefix cache.
+
+
+@pytest.mark.parametrize("release", sgl_standin.RELEASES)
+async def test_every_release_builds_runs_and_recovers(release, tiny_gpt2_path, reference):
+    with pytest.MonkeyPatch.context() as patch:
+        sgl_standin.install(patch, release)
+        lm = AsyncSGLTransformer.from_name(str(tiny_gpt2_path), engine_opts=ENGINE_OPTS)
+        scheduler = lm.sgl_model
+        assert type(scheduler) is sgl_standin._scheduler_type(release)
+        batch = contexts(4) + [LONG]  # two batches of at most 3, the long prompt in chunks
+        rows = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in batch))
+        assert_matches(torch.stack(rows), batch, reference)
+        assert scheduler.forward_ct >= 4  # LONG alone takes 4 chunks
+        scheduler.fail_next_run = RuntimeError("engine failure")
+        with pytest.raises(RuntimeError, match="engine failure"):
+            lm.batch_next_token_logprobs_sync(contexts(2, start=700))
+        assert scheduler.is_idle()
+        again = contexts(2, start=700)
+        assert_matches(lm.batch_next_token_logprobs_sync(again), again, reference)
+        lm.clear_kv_cache()
+        assert scheduler.prefix_tree == set()
+
+
+@pytest.mark.parametrize(
+    ("release", "as_array"), [("0.5.12.post1", True), ("0.5.13", False), ("0.5.15", False)]
+)
+def test_token_ids_of_the_wrong_type_fail_in_the_stand_in(
+    release, as_array, tiny_gpt2_path, monkeypatch
+):
+    # What the test above relies on: the stand-in takes token ids only as its release does.
+    sgl_standin.install(monkeypatch, release)
+    lm = AsyncSGLTransformer.from_name(str(tiny_gpt2_path), engine_opts=ENGINE_OPTS)
+    lm._driver._sgl.ids_as_array = as_array
+    with pytest.raises(TypeError, match="can only concatenate"):
+        lm.next_token_logprobs_sync(contexts(1)[0])
+
+
 # -- numbers ----------------------------------------------------------------------
 
 

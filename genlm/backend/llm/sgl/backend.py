@@ -28,9 +28,8 @@ from genlm.backend.llm.base import AsyncLM, check_token_ids, with_default_output
 from genlm.backend.llm.sgl.scheduler_driver import (
     Query,
     SchedulerDriver,
-    import_sglang_engine,
+    build_scheduler,
     import_sglang_requests,
-    rank_kwargs,
 )
 
 # The driver reads logits synchronously from `run_batch`, which the overlap scheduler
@@ -121,14 +120,8 @@ class AsyncSGLTransformer(AsyncLM):
         Raises:
             ImportError: If SGLang is not installed.
         """
-        sgl = import_sglang_engine()
-        server_args = sgl.ServerArgs(
-            model_path=model_id, **{**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
-        )
-        if sgl.set_global_server_args is not None:
-            sgl.set_global_server_args(server_args)
-        port_args = sgl.PortArgs.init_new(server_args)
-        scheduler = sgl.Scheduler(server_args, port_args, **rank_kwargs(sgl.Scheduler, gpu_id))
+        options = {**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
+        scheduler = build_scheduler(model_id, options, gpu_id)
         return cls(scheduler, **with_default_output_cache(kwargs))
 
     def _query(self, token_ids: Sequence[int], lora_name: str | None) -> Query:

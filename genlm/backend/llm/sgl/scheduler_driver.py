@@ -18,6 +18,13 @@ GPU context may be corrupted) or an error while the driver cleans up after a
 failed batch (the scheduler's state is then unknown). Either makes every
 waiting and every later call raise `EngineDeadError`; other errors of a batch
 reach its callers and the scheduler stays usable. Every SGLang import is here.
+
+The releases differ in what a driver must do, each difference handled where it
+appears: token ids as an `array("q")` (0.5.13 on; `import_sglang_requests`),
+`input_embeds` and `token_type_ids` required (0.5.15 on; `SchedulerDriver`),
+`get_next_batch_to_run(running_batch, last_batch)` returning a plan (0.5.16 on;
+`SchedulerDriver`), and the scheduler's ranks published before it is built
+instead of passed to it (0.5.21 on; `build_scheduler`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import asyncio
 import inspect
 import threading
 import uuid
+from array import array
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +46,7 @@ INSTALL_HINT = "the SGLang backend needs SGLang: pip install 'genlm-backend[sgla
 
 
 def import_sglang_requests() -> SimpleNamespace:
+    """SGLang's request types, and how this release wants a request's token ids."""
     try:
         from sglang.srt.managers.io_struct import (
             AbortReq,
@@ -54,23 +63,65 @@ def import_sglang_requests() -> SimpleNamespace:
         SamplingParams=SamplingParams,
         LoadLoRAAdapterReqInput=LoadLoRAAdapterReqInput,
         UnloadLoRAAdapterReqInput=UnloadLoRAAdapterReqInput,
+        # 0.5.13 on: an `array("q")`, which SGLang extends with arrays (a list fails
+        # there with "can only concatenate list (not "array.array") to list").
+        ids_as_array="array" in _annotation(TokenizedGenerateReqInput, "input_ids"),
     )
 
 
-def import_sglang_engine() -> SimpleNamespace:
+def _annotation(cls: type, name: str) -> str:
+    """The annotation of field `name` of `cls` (or a base), as text (`""` if none)."""
+    for klass in cls.__mro__:
+        annotations = vars(klass).get("__annotations__", {})
+        if name in annotations:
+            return str(annotations[name])
+    return ""
+
+
+def build_scheduler(model_id: str, engine_opts: dict[str, Any], gpu_id: int) -> Any:
+    """An SGLang `Scheduler` for `model_id` in this process, set up as SGLang's scheduler
+    process sets one up.
+
+    Before building it, the server arguments are published process-wide
+    (0.5.12 on; from 0.5.21 with the rank placement the constructor then
+    reads, where earlier releases take the ranks as constructor arguments).
+
+    Args:
+        model_id: Hub name or local folder of the model.
+        engine_opts: `ServerArgs` fields.
+        gpu_id: The GPU the scheduler runs on.
+
+    Raises:
+        ImportError: If SGLang is not installed.
+    """
     try:
-        from sglang.srt import server_args
+        from sglang.srt import server_args as sgl_server_args
         from sglang.srt.managers.scheduler import Scheduler
     except ImportError as exc:
         raise ImportError(INSTALL_HINT) from exc
-    return SimpleNamespace(
-        Scheduler=Scheduler,
-        ServerArgs=server_args.ServerArgs,
-        PortArgs=server_args.PortArgs,
-        # Later 0.5.x releases read the server arguments from a process-wide slot
-        # that SGLang's scheduler process fills before building its Scheduler.
-        set_global_server_args=getattr(server_args, "set_global_server_args_for_scheduler", None),
-    )
+    server_args = sgl_server_args.ServerArgs(model_path=model_id, **engine_opts)
+    port_args = sgl_server_args.PortArgs.init_new(server_args)
+    constructor = inspect.signature(Scheduler).parameters
+    if "tp_rank" in constructor:  # up to 0.5.20: ranks as arguments
+        publish = getattr(sgl_server_args, "set_global_server_args_for_scheduler", None)
+        if publish is not None:
+            publish(server_args)
+        ranks = {
+            "gpu_id": gpu_id,
+            "tp_rank": 0,
+            "moe_ep_rank": 0,
+            "pp_rank": 0,
+            "attn_cp_rank": 0,
+            "moe_dp_rank": 0,
+            "dp_rank": None,
+        }
+        accepted = {name: value for name, value in ranks.items() if name in constructor}
+        return Scheduler(server_args, port_args, **accepted)
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+
+    world_rank = spawn_world_rank(server_args, tp_rank=0, pp_rank=0)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
+    return Scheduler(server_args, port_args)
 
 
 class _DiscardSink:
@@ -124,6 +175,8 @@ class SchedulerDriver:
         self._lock = threading.RLock()
         self._outstanding: set[str] = set()
         self._results: dict[str, torch.Tensor | BaseException] = {}
+        next_batch = inspect.signature(scheduler.get_next_batch_to_run).parameters
+        self._plans = "running_batch" in next_batch
         for socket in ("send_to_detokenizer", "send_to_tokenizer"):
             if hasattr(scheduler, socket):
                 setattr(scheduler, socket, _DiscardSink())
@@ -138,7 +191,9 @@ class SchedulerDriver:
         return self._sgl.TokenizedGenerateReqInput(
             rid=rid,
             input_text="",
-            input_ids=list(token_ids),
+            input_ids=array("q", token_ids) if self._sgl.ids_as_array else list(token_ids),
+            input_embeds=None,  # required from 0.5.15 on, optional before
+            token_type_ids=None,  # likewise
             mm_inputs=None,
             sampling_params=params,
             return_logprob=False,
@@ -171,8 +226,7 @@ class SchedulerDriver:
             self.check_alive()
             scheduler = self.scheduler
             try:
-                batch = scheduler.get_next_batch_to_run()
-                scheduler.cur_batch = batch
+                batch = self._next_batch()
                 if batch is None:
                     scheduler.last_batch = None
                     return False
@@ -187,6 +241,19 @@ class SchedulerDriver:
             scheduler.last_batch = batch
             self._collect(batch.reqs, logits)
             return True
+
+    def _next_batch(self) -> Any:
+        """The scheduler's next batch (`None` when idle), with its bookkeeping done."""
+        scheduler = self.scheduler
+        if self._plans:  # 0.5.16 on: a plan, from the running and the last batch
+            plan = scheduler.get_next_batch_to_run(
+                running_batch=scheduler.running_batch, last_batch=scheduler.last_batch
+            )
+            scheduler.running_batch = plan.running_batch
+            return plan.batch_to_run
+        batch = scheduler.get_next_batch_to_run()
+        scheduler.cur_batch = batch
+        return batch
 
     def _collect(self, reqs: Sequence[Any], logits: torch.Tensor) -> None:
         for row, req in enumerate(reqs):
@@ -214,7 +281,8 @@ class SchedulerDriver:
                 # The failed batch's state is unknown: drop every request of ours from the
                 # scheduler and forget the batch, as the event loop would never have
                 # recorded it.
-                self.scheduler.cur_batch = None
+                if not self._plans:
+                    self.scheduler.cur_batch = None
                 self.scheduler.last_batch = None
                 self.scheduler.abort_request(self._sgl.AbortReq(abort_all=True))
                 error = exc
@@ -302,18 +370,3 @@ class SchedulerDriver:
         with self._lock:
             self.drain()  # the adapter's requests in flight finish with it
             return self.scheduler.unload_lora_adapter(request)
-
-
-def rank_kwargs(scheduler_cls: type, gpu_id: int) -> dict[str, Any]:
-    """Single-GPU rank arguments, limited to those this SGLang version's `Scheduler` takes."""
-    ranks = {
-        "gpu_id": gpu_id,
-        "tp_rank": 0,
-        "moe_ep_rank": 0,
-        "pp_rank": 0,
-        "attn_cp_rank": 0,
-        "moe_dp_rank": 0,
-        "dp_rank": None,
-    }
-    accepted = inspect.signature(scheduler_cls).parameters
-    return {name: value for name, value in ranks.items() if name in accepted}

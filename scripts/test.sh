@@ -15,3 +15,14 @@ fi
 echo "== pytest"
 # pytest exits 5 when it collects no test; `set -e` makes that a failure too.
 HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# The SGLang backend against a real engine, in an environment of its own (SGLang pins its own
+# torch and transformers): built from ../shared/sgl's kernel sources where the CPU can run them
+# (x86-64 with AVX-512 BF16; skip with GENLM_SETUP_SGLANG=0).
+if [ "${GENLM_SETUP_SGLANG:-1}" != 0 ] && [ -d ../shared/sgl ]; then
+    echo "== SGLang (real engine)"
+    bash scripts/setup_sglang.sh
+    if [ -f .venv-sglang-0.5.18/.genlm-sglang-ok ]; then
+        HF_HUB_OFFLINE=1 .venv-sglang-0.5.18/bin/python -m pytest -q -p no:cacheprovider \
+            tests/llm/sgl/test_sgl_real.py
+    fi
+fi

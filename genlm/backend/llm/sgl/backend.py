@@ -16,6 +16,7 @@ requests of different adapters together and keeps their cached prefixes apart.
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -89,6 +90,7 @@ class AsyncSGLTransformer(AsyncLM):
         self._driver = SchedulerDriver(sgl_model, request_types)
         self._adapter_names: dict[str, str] = {}  # lora_id -> name, of every adapter loaded
         self._engine_task: asyncio.Task | None = None
+        self._closed = False
         # Requests go to the running scheduler at the next pass of the event loop, all
         # at once; SGLang splits them into batches itself (max_running_requests).
         self._batcher = AutoBatcher(self._evaluate, timeout=0.0, key=lambda q: q)
@@ -125,7 +127,7 @@ class AsyncSGLTransformer(AsyncLM):
         return cls(scheduler, **with_default_output_cache(kwargs))
 
     def _query(self, token_ids: Sequence[int], lora_name: str | None) -> Query:
-        self._driver.check_alive()
+        self._check_open()
         adapter = self.loras.select(lora_name)
         lora_id = None if adapter is None else self.loras[adapter]
         return lora_id, check_token_ids(token_ids, self.vocab_size, self.max_length)
@@ -228,7 +230,7 @@ class AsyncSGLTransformer(AsyncLM):
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
             EngineDeadError: If the scheduler died.
         """
-        self._driver.check_alive()
+        self._check_open()
         queries = [self._query(ids, lora_name) for ids in token_ids_list]
         if not queries:
             self.loras.select(lora_name)
@@ -260,7 +262,7 @@ class AsyncSGLTransformer(AsyncLM):
                 unregistered, even if it named an adapter before).
             EngineDeadError: If the scheduler died.
         """
-        self._driver.check_alive()
+        self._check_open()
         if not getattr(self.sgl_model.server_args, "enable_lora", False):
             raise ValueError(
                 "the SGLang scheduler was built without LoRA support: pass engine_opts="
@@ -314,7 +316,7 @@ class AsyncSGLTransformer(AsyncLM):
             RuntimeError: If SGLang fails to unload it (it is unregistered anyway).
             EngineDeadError: If the scheduler died.
         """
-        self._driver.check_alive()
+        self._check_open()
         self._unload(lora_name, self.loras.remove(lora_name))
 
     def _unload(self, lora_name: str, lora_id: str) -> None:
@@ -338,10 +340,47 @@ class AsyncSGLTransformer(AsyncLM):
         """Flush SGLang's radix prefix cache (after finishing the work in progress).
 
         Raises:
-            RuntimeError: If SGLang refuses to flush.
+            RuntimeError: If SGLang refuses to flush, or after `cleanup()`.
             EngineDeadError: If the scheduler died.
         """
+        self._check_open()
         self._driver.flush_prefix_cache()
+
+    def cleanup(self) -> None:
+        """Let go of the scheduler; later calls raise `RuntimeError`.
+
+        Waiting callers are cancelled and the scheduler's work in progress is
+        finished first. Works after the scheduler died too. SGLang itself keeps
+        what it built in this process: its model and memory pools are freed
+        when the process exits (SGLang 0.5.18 on the CPU: no child process and
+        no thread but its daemon watchdog is left, and the process exits
+        normally).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.reset_async_queries()
+        self.cache.clear()
+        self._driver.close()
+        self.sgl_model = None
+        gc.collect()
+
+    def __enter__(self) -> AsyncSGLTransformer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> AsyncSGLTransformer:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncSGLTransformer was cleaned up; create a new one")
+        self._driver.check_alive()
 
     def reset_async_queries(self) -> None:
         """Cancel every waiting caller and the batch being computed.

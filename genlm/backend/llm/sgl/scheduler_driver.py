@@ -351,6 +351,18 @@ class SchedulerDriver:
             raise
         return self.collect(rids)
 
+    def close(self) -> None:
+        """Finish the scheduler's work and let go of it (nothing touches it again)."""
+        with self._lock:
+            try:
+                if getattr(self.scheduler, _DEATH_ATTRIBUTE, None) is None:
+                    self.drain()
+            except Exception:  # already delivered to the callers of the failed batch
+                pass
+            self._results.clear()
+            self._outstanding.clear()
+            self.scheduler = None
+
     def flush_prefix_cache(self) -> None:
         with self._lock:
             self.drain()

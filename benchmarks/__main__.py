@@ -22,6 +22,7 @@ COMMANDS = {  # name -> (module, what it measures)
     "vllm_smc": ("vllm_smc", "SMC through AsyncVirtualLM against LLM.generate per step"),
     "vllm_tp": ("vllm_tp", "one vLLM worker against two tensor-parallel workers"),
     "mlx_smc": ("mlx_smc", "SMC through AsyncMlxLM against a hand-written MLX decode"),
+    "sgl_smc": ("sgl_smc", "SGLang on the CPU: scoring against one request, SMC against decode"),
     "gpu_smc": ("gpu_smc", "the GPU workload (random 1.07B Llama) on vLLM and transformers"),
     "all": ("suite", "run what fits this machine; record it in docs/performance.json"),
     "page": ("page", "redraw the performance page's table and picture from its JSON"),

@@ -43,9 +43,11 @@ memory
 launches
 vllm_smc --interleave
 vllm_tp
-mlx_smc""".splitlines()
+mlx_smc
+sgl_smc""".splitlines()
 GPU = ["gpu_smc --device {device}", "trie --device {device}"]
 NEEDS = {"vllm": "vllm", "mlx": "mlx", "clients": "llamppl"}  # word of a command -> module
+SGLANG_PYTHON = ROOT / ".venv-sglang-0.5.18" / "bin" / "python"  # scripts/setup_sglang.sh's
 
 
 def plan(args: argparse.Namespace) -> list[str]:
@@ -57,6 +59,8 @@ def plan(args: argparse.Namespace) -> list[str]:
     for command in QUICK if args.quick else FULL:
         if lacking := [NEEDS[word] for word in missing if word in command]:
             print(f"skipped, needs {', '.join(lacking)}: {command}")
+        elif command.startswith("sgl_smc") and not SGLANG_PYTHON.exists():
+            print(f"skipped, needs scripts/setup_sglang.sh: {command}")
         else:  # overhead's vLLM rows need vLLM
             hf_only = command == "overhead" and "vllm" in missing
             commands.append(command + " --backends hf" * hf_only)
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"\n== python -m benchmarks {command}", flush=True)
         with tempfile.TemporaryDirectory() as scratch:
             output = Path(scratch) / "figures.json"
-            line = [sys.executable, "-m", "benchmarks", *command.split(), "--json", str(output)]
+            python = SGLANG_PYTHON if command.startswith("sgl_smc") else sys.executable
+            line = [str(python), "-m", "benchmarks", *command.split(), "--json", str(output)]
             if subprocess.run(line, cwd=ROOT, env=env).returncode or not output.exists():
                 failed.append(command)
                 continue

@@ -185,9 +185,23 @@ class SchedulerDriver:
         # Greedy (temperature 0 becomes top-k 1 in SGLang): its sampler then takes an
         # argmax and leaves `next_token_logits` as the model computed them, whereas
         # random sampling rescales them in place.
-        params = self._sgl.SamplingParams(max_new_tokens=1, temperature=0.0)
-        params.normalize(self.scheduler.tokenizer)
         lora_id, token_ids = query
+        return self.request(rid, token_ids, max_new_tokens=1, lora_id=lora_id)
+
+    def request(
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int,
+        lora_id: str | None = None,
+        ignore_eos: bool = False,
+    ) -> Any:
+        """A greedy generation request of this SGLang release's type (its token ids as the
+        release wants them)."""
+        params = self._sgl.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos
+        )
+        params.normalize(self.scheduler.tokenizer)
         return self._sgl.TokenizedGenerateReqInput(
             rid=rid,
             input_text="",

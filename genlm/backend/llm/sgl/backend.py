@@ -53,9 +53,10 @@ class AsyncSGLTransformer(AsyncLM):
     call whose adapter is removed (or replaced) while it waits fails alone,
     with a `ValueError` naming the adapter.
 
-    If the scheduler dies (see the module), every call waiting on it and every
-    later call that needs it (queries, `sample`, adapter and prefix-cache
-    operations) raises `EngineDeadError`, without touching it again.
+    If the scheduler dies (see `scheduler_driver`), every call waiting on it
+    and every later call that needs it (queries, `sample`, adapter and
+    prefix-cache operations) raises `EngineDeadError`, without touching it
+    again. `cleanup()` (or leaving a `with` block) lets go of the scheduler.
 
     Args:
         sgl_model: An SGLang `Scheduler` (see `from_name`), built with
@@ -183,6 +184,7 @@ class AsyncSGLTransformer(AsyncLM):
         Raises:
             ValueError: For bad token ids (see `check_token_ids`), an unknown
                 `lora_name`, or an adapter removed while the query waited.
+            RuntimeError: After `cleanup()`.
             EngineDeadError: If the scheduler died, before or while the query waited.
             asyncio.CancelledError: If `reset_async_queries()` dropped the query.
         """
@@ -207,6 +209,7 @@ class AsyncSGLTransformer(AsyncLM):
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            RuntimeError: After `cleanup()`.
             EngineDeadError: If the scheduler died.
         """
         return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
@@ -228,6 +231,7 @@ class AsyncSGLTransformer(AsyncLM):
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
+            RuntimeError: After `cleanup()`.
             EngineDeadError: If the scheduler died.
         """
         self._check_open()
@@ -259,7 +263,7 @@ class AsyncSGLTransformer(AsyncLM):
         Raises:
             ValueError: If the scheduler was built without LoRA support.
             RuntimeError: If SGLang fails to load the adapter (the name is then
-                unregistered, even if it named an adapter before).
+                unregistered, even if it named an adapter before), or after `cleanup()`.
             EngineDeadError: If the scheduler died.
         """
         self._check_open()
@@ -313,7 +317,8 @@ class AsyncSGLTransformer(AsyncLM):
 
         Raises:
             ValueError: If no adapter is registered under `lora_name`.
-            RuntimeError: If SGLang fails to unload it (it is unregistered anyway).
+            RuntimeError: If SGLang fails to unload it (it is unregistered anyway), or
+                after `cleanup()`.
             EngineDeadError: If the scheduler died.
         """
         self._check_open()

@@ -149,20 +149,33 @@ def stamped_backend(lm: Any, trace: Trace, n: int, steps: int, **run: Any) -> li
 
 
 def smc_figures(
-    group, lm, floor, configs, repeats, target, others=None, cache_kv=False, warm_up=False
+    group,
+    lm,
+    floor,
+    configs,
+    repeats,
+    target,
+    others=None,
+    cache_kv=False,
+    warm_up=False,
+    references=None,
 ):
     """Record rows `group/NxT[/cache_kv]`: `smc` through `lm` (and `others`, name -> backend,
-    in the notes) against `floor(trace, n, steps)`, alternated (`core.compare`)."""
-    others = others or {}
+    and `references`, name -> a second floor, in the notes) against `floor(trace, n, steps)`,
+    alternated (`core.compare`)."""
+    others, references = others or {}, references or {}
     for n, steps in parse_configs(configs):
         trace, sampled = make_trace(n, steps, lm.vocab_size), {}
         runs = {"floor": partial(timed, floor, trace, n, steps)}
         runs["ours"] = partial(run_backend, lm, trace, n, steps, cache_kv, sampled)
         for name, other in others.items():
             runs[name] = partial(run_backend, other, trace, n, steps, cache_kv)
+        for name, reference in references.items():
+            runs[name] = partial(timed, reference, trace, n, steps)
         seconds = compare(runs, repeats, warm_up)
-        notes = {f"{name} s": seconds[name][0] for name in others}
-        notes |= {f"ours / {name}": seconds["ours"][0] / seconds[name][0] for name in others}
+        named = [*others, *references]
+        notes = {f"{name} s": seconds[name][0] for name in named}
+        notes |= {f"ours / {name}": seconds["ours"][0] / seconds[name][0] for name in named}
         notes["CPU s, " + " / ".join(runs)] = tuple(seconds[name][1] for name in runs)
         if hasattr(lm, "next_token_logprobs_uncached"):
             notes["max error"] = max_error(sampled, lm.next_token_logprobs_uncached)

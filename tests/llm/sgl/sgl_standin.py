@@ -1,8 +1,10 @@
 """An in-process stand-in for the parts of SGLang 0.5.x that `AsyncSGLTransformer` drives.
 
-SGLang has no CPU build, so the CPU tests run the backend against this module,
-installed under SGLang's module paths (`install`). It follows the scheduler's
-documented call sequence and contracts rather than its internals:
+SGLang's registry builds need CUDA, and its CPU build runs one release on some
+CPUs (`test_sgl_real.py`), so most tests run the backend against this module,
+installed under SGLang's module paths (`install`): every release's shape, on
+any machine, with failures injected at will. It follows the scheduler's call
+sequence and contracts rather than its internals:
 
 - `Scheduler(server_args, port_args, gpu_id, tp_rank, moe_ep_rank, pp_rank, dp_rank)`
   needs `set_global_server_args_for_scheduler(server_args)` first, as later 0.5.x

@@ -1,7 +1,8 @@
 """Shared fixtures: real assets materialised by `python -m genlm.backend.assets`."""
 
+import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,54 @@ def engine_rounds(monkeypatch) -> Callable:
         return rounds
 
     return spy_on
+
+
+def _segment_rows(model, ids: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """A transformers model's next-token log-probabilities after every position of `ids`,
+    from plain passes over consecutive segments of `lengths` tokens, each continuing the
+    key/values of the ones before (a `DynamicCache`); normalised in float32 (float64 for a
+    float64 model), on the CPU."""
+    from transformers import DynamicCache
+
+    cache, rows, start = DynamicCache(), [], 0
+    with torch.no_grad():
+        for n in lengths:
+            piece = torch.tensor([list(ids[start : start + n])], device=model.device)
+            logits = model(piece, past_key_values=cache, use_cache=True).logits[0]
+            rows.append(
+                torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+            )
+            start += n
+    assert start == len(ids)
+    return torch.cat(rows).cpu()
+
+
+@pytest.fixture(scope="session")
+def segment_rows() -> Callable[..., torch.Tensor]:
+    """`segment_rows(model, ids, lengths)`: plain rows after every position of `ids`, from
+    passes over consecutive segments of `lengths` tokens."""
+    return _segment_rows
+
+
+@pytest.fixture(scope="session")
+def float64_reference() -> Callable[..., tuple[list[torch.Tensor], float]]:
+    """`float64_reference(model, contexts)`: each context's next-token row from a float64
+    copy of the float32 `model`, and a tolerance for float32 rows of them on this machine.
+
+    The tolerance is 3x `error` plus 2e-5 (a few float32 ulps of log-probabilities down to
+    -40), where `error` is the float32 model's largest difference from the float64 rows over
+    these contexts, in one pass and split before the last token: how far float32 rounding
+    takes them with this CPU's kernels.
+    """
+
+    def reference(model, contexts: Sequence[Sequence[int]]) -> tuple[list[torch.Tensor], float]:
+        exact = copy.deepcopy(model).double()
+        rows = [_segment_rows(exact, ids, [len(ids)])[-1] for ids in contexts]
+        error = max(
+            (_segment_rows(model, ids, lengths)[-1].double() - row).abs().max().item()
+            for ids, row in zip(contexts, rows, strict=True)
+            for lengths in ([len(ids)], [len(ids) - 1, 1])
+        )
+        return rows, 3 * error + 2e-5
+
+    return reference

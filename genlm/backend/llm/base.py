@@ -8,7 +8,7 @@ import numbers
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import numpy as np
 import torch
@@ -422,6 +422,24 @@ class AsyncLM(ABC):
 
     def clear_cache(self) -> None:  # noqa: B027 - a backend without caches has nothing to clear
         """Drop cached results (backends with caches override this)."""
+
+    def cleanup(self) -> None:  # noqa: B027 - a backend without an engine has nothing to release
+        """Release the engine the backend drives (backends with one override this).
+
+        Leaving a `with` or `async with` block over the backend calls it.
+        """
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.cleanup()
 
     def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Register a LoRA adapter (not supported by this backend)."""

@@ -14,12 +14,11 @@ copy of the model, within a tolerance measured in the test (see it). Models that
 """
 
 import asyncio
-import copy
 import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend.llm.hf import AsyncTransformer, Query
 
@@ -602,22 +601,8 @@ async def test_lora_switching_never_serves_another_adapters_cache(tiny_llama_pat
     assert not torch.allclose(base[0], reference_logprobs(merged["a"], contexts[0]), atol=1e-3)
 
 
-def plain_last_row(model, ids, lengths):
-    """The plain model's next-token log-probabilities after `ids`, from passes over
-    consecutive pieces of `lengths` tokens (a `DynamicCache` carries the key/values between
-    them), normalised as the backend does: float32 logits in float32, float64 in float64."""
-    cache, start = DynamicCache(), 0
-    with torch.no_grad():
-        for n in lengths:
-            piece = torch.tensor([ids[start : start + n]], device=model.device)
-            logits = model(piece, past_key_values=cache, use_cache=True).logits[0, -1]
-            start += n
-    assert start == len(ids)
-    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-
-
 @pytest.mark.slow
-async def test_smollm2_agrees_with_uncached(smollm2_path):
+async def test_smollm2_agrees_with_uncached(smollm2_path, float64_reference):
     """Cached, batched, deduplicated and resampled SmolLM2 rows against a float64 reference.
 
     The backend computes these rows in passes of other shapes than one plain pass over each
@@ -637,7 +622,6 @@ async def test_smollm2_agrees_with_uncached(smollm2_path):
     position, token or row moves these rows by 0.1 or more.
     """
     lm = AsyncTransformer.from_name(str(smollm2_path), hf_opts={"dtype": torch.float32})
-    exact = copy.deepcopy(lm.model).double()
     prompt = lm.tokenizer.encode("The capital of France is")
     lm.cache_kv(prompt)
     particles = [list(prompt) for _ in range(4)]
@@ -652,16 +636,10 @@ async def test_smollm2_agrees_with_uncached(smollm2_path):
             particle.extend(torch.randint(0, 49152, (1 + step % 2,), generator=generator).tolist())
         if step == 1:
             particles = [list(particles[i]) for i in (0, 0, 1, 3)]
-    references = {ids: plain_last_row(exact, ids, [len(ids)]).cpu() for ids in rows}
-    error = max(
-        (plain_last_row(lm.model, ids, lengths).cpu().double() - references[ids]).abs().max()
-        for ids in rows
-        for lengths in ([len(ids)], [len(ids) - 1, 1])
-    ).item()
-    tolerance = 3 * error + 2e-5
-    for ids, results in rows.items():
+    references, tolerance = float64_reference(lm.model, list(rows))
+    for results, reference in zip(rows.values(), references, strict=True):
         for result in results:
-            torch.testing.assert_close(result.double(), references[ids], rtol=0, atol=tolerance)
+            torch.testing.assert_close(result.double(), reference, rtol=0, atol=tolerance)
     paris = lm.tokenizer.encode(" Paris")[0]
     assert int(lm.next_token_logprobs_sync(prompt).argmax()) == paris
 

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend.llm.hf import AsyncTransformer
 
@@ -27,20 +27,6 @@ def plain_rows(model, sequence):
     with torch.no_grad():
         logits = model(torch.tensor([sequence])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
-
-
-def plain_rows_in_segments(model, sequence, lengths):
-    """The same, from plain forward passes over consecutive segments of `lengths` tokens, each
-    continuing the key/values of the ones before (a transformers `DynamicCache`)."""
-    cache, rows, start = DynamicCache(), [], 0
-    with torch.no_grad():
-        for n in lengths:
-            ids = torch.tensor([sequence[start : start + n]], device=model.device)
-            logits = model(ids, past_key_values=cache, use_cache=True).logits[0]
-            rows.append(torch.log_softmax(logits.float(), dim=-1))
-            start += n
-    assert start == len(sequence)
-    return torch.cat(rows)
 
 
 def assert_exact(lm, contexts, rows):
@@ -114,7 +100,7 @@ def test_all_prefixes_of_a_long_context_run_in_segments_within_the_bound(model_a
 
 
 @pytest.mark.slow
-def test_smollm2_scores_every_prefix_in_segments_like_one_forward_pass(smollm2_path):
+def test_smollm2_scores_every_prefix_in_segments_like_one_forward_pass(smollm2_path, segment_rows):
     """SmolLM2 (30 layers, logits O(10)) scores all 300 prefixes of a sequence in segments.
 
     The reference runs the plain model over the same segments (boundaries recorded from the
@@ -140,7 +126,7 @@ def test_smollm2_scores_every_prefix_in_segments_like_one_forward_pass(smollm2_p
         passes.close()
     segments = [tokens for _, tokens in passes.shapes]
     assert len(segments) >= 3 and sum(segments) == 300
-    reference = plain_rows_in_segments(lm.model, sequence, segments)
+    reference = segment_rows(lm.model, sequence, segments)
     torch.testing.assert_close(rows.cpu(), reference.cpu(), rtol=0, atol=1e-4)
 
 

@@ -14,7 +14,6 @@ within a tolerance measured in the test (see it).
 """
 
 import asyncio
-import copy
 import json
 import threading
 
@@ -25,7 +24,7 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from genlm.backend.llm import load_model_by_name  # noqa: E402
 from genlm.backend.llm.mlx import AsyncMlxLM  # noqa: E402
@@ -52,20 +51,6 @@ def mlx_reference_rows(model, ids):
 def hf_reference(model, ids):
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-
-
-def hf_last_row(model, ids, lengths):
-    """A transformers model's next-token log-probabilities after `ids`, from passes over
-    consecutive pieces of `lengths` tokens (a `DynamicCache` carries the key/values between
-    them), normalised in float32 (float64 for a float64 model)."""
-    cache, start = DynamicCache(), 0
-    with torch.no_grad():
-        for n in lengths:
-            piece = torch.tensor([ids[start : start + n]])
-            logits = model(piece, past_key_values=cache, use_cache=True).logits[0, -1]
-            start += n
-    assert start == len(ids)
-    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
 
 
 def assert_close(result, reference, atol=TINY_ATOL):
@@ -549,7 +534,7 @@ def test_mlx_lm_adapter_matches_mlx_lm_own_lora(tiny_llama_path, tmp_path, plain
     assert lm.loras.names == ["mine"]
 
 
-async def test_smollm2_agrees_with_transformers(smollm2_path):
+async def test_smollm2_agrees_with_transformers(smollm2_path, float64_reference):
     """SmolLM2 in MLX (a cached prompt, then two continuations) against a float64
     transformers copy of the same weights.
 
@@ -572,22 +557,16 @@ async def test_smollm2_agrees_with_transformers(smollm2_path):
     # mlx-lm alone reads with the wrong RoPE base (off by ~4 nats); from_name translates it.
     lm = load_model_by_name(str(smollm2_path), backend="mlx")
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-    exact = copy.deepcopy(hf).double()
     prompt = lm.tokenizer.encode("The capital of France is")
     lm.cache_kv(prompt)
     contexts = [prompt + lm.tokenizer.encode(" Paris"), prompt + lm.tokenizer.encode(" a city")]
     results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     contexts = [prompt, *contexts]
     results = [lm.next_token_logprobs_sync(prompt), *results]
-    references = [hf_last_row(exact, context, [len(context)]) for context in contexts]
-    error = max(
-        (hf_last_row(hf, context, lengths).double() - reference).abs().max().item()
-        for context, reference in zip(contexts, references, strict=True)
-        for lengths in ([len(context)], [len(context) - 1, 1])
-    )
+    references, tolerance = float64_reference(hf, contexts)
     for result, reference in zip(results, references, strict=True):
         assert result.dtype == torch.float32 and result.shape == reference.shape
-        torch.testing.assert_close(result.double(), reference, rtol=0, atol=3 * error + 2e-5)
+        torch.testing.assert_close(result.double(), reference, rtol=0, atol=tolerance)
     assert lm.str_vocab[int(lm.next_token_logprobs_sync(prompt).argmax())] == " Paris"
 
 

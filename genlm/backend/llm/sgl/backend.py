@@ -370,18 +370,6 @@ class AsyncSGLTransformer(AsyncLM):
         self.sgl_model = None
         gc.collect()
 
-    def __enter__(self) -> AsyncSGLTransformer:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.cleanup()
-
-    async def __aenter__(self) -> AsyncSGLTransformer:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        self.cleanup()
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AsyncSGLTransformer was cleaned up; create a new one")

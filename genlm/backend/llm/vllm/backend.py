@@ -493,18 +493,6 @@ class AsyncVirtualLM(AsyncLM):
         self._requests = self._adapters = None
         gc.collect()
 
-    def __enter__(self) -> AsyncVirtualLM:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.cleanup()
-
-    async def __aenter__(self) -> AsyncVirtualLM:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        self.cleanup()
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AsyncVirtualLM was cleaned up; create a new one")

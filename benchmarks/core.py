@@ -153,15 +153,24 @@ def compare(runs: dict[str, Callable[[], Any]], repeats: int, warm_up: bool = Fa
     return {name: medians(results) for name, results in alternate(runs, repeats).items()}
 
 
-def in_child(target: str, released: Path | None = None, env: dict | None = None, **kwargs) -> Any:
+def in_child(
+    target: str,
+    released: Path | None = None,
+    env: dict | None = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
     """`module:function(**kwargs)`'s JSON result, run in a fresh process with `env` set and
-    `genlm.backend` imported from `released` (0.3.1's folder) or this checkout (checked)."""
+    `genlm.backend` imported from `released` (0.3.1's folder) or this checkout (checked);
+    `subprocess.TimeoutExpired` after `timeout` seconds."""
     paths = [str(released or ""), str(ROOT), os.environ.get("PYTHONPATH", "")]
     environ = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), **(env or {})}
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     command = [sys.executable, "-m", "benchmarks", "child", target, json.dumps(kwargs)]
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: it would shadow 0.3.1
-        done = subprocess.run(command, env=environ, cwd=cwd, capture_output=True, text=True)
+        done = subprocess.run(
+            command, env=environ, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        )
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{target} failed ({done.returncode}):\n{done.stderr[-3000:]}")

@@ -82,6 +82,17 @@ def decode(lm: Any, trace: Trace, n: int, steps: int) -> None:
         thread.submit(run).result()
 
 
+def decode_step(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock) -> list:
+    """The engine's decode step of N sequences, as one step cost: `decode` of T tokens less
+    `decode` of one (the prefill and a first token), over T - 1, each timed by `clock`."""
+    seconds = []
+    for tokens in (1, steps):
+        start = clock()[0]
+        decode(lm, trace, n, tokens)
+        seconds.append(clock()[0] - start)
+    return [((seconds[1] - seconds[0]) / (steps - 1),)]
+
+
 async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     """Seconds: a query alone, a query during a 128-token sample, and that sample."""
     contexts = [[5000 + (run * 97 + offset + i) % 4000 for i in range(32)] for offset in (0, 1)]

@@ -128,8 +128,11 @@ async def smc(lm, trace, n, steps, cache_kv=False, clock=wall_clock, critic=None
 
 
 def cold(lm: Any) -> None:
-    """Clear the backend's output cache (and vLLM's prefix cache)."""
+    """Clear the backend's output cache, its live engine requests (0.3.1's vLLM backend keeps
+    them: `release_all`) and vLLM's prefix cache."""
     lm.clear_cache()
+    if hasattr(lm, "release_all"):
+        asyncio.run(lm.release_all())
     if hasattr(lm, "llm_engine") and not lm.llm_engine.reset_prefix_cache():
         raise RuntimeError("vLLM did not reset its prefix cache")
 

@@ -2,6 +2,7 @@
 holds the table cell for cell by groups of rows (a refreshed row: its id and provenance)."""
 
 import argparse
+import datetime
 import json
 import re
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 from benchmarks.core import ROOT, Figure, cells
 
 OPTIONS = {"check": (False, "compare only, write nothing")}
+OPTIONS["merge"] = (None, "comma-separated `--json` files (made elsewhere) to merge first")
+OPTIONS["measured"] = (None, "with --merge: where they ran (a GPU's name; the date is today's)")
 DATA = ROOT / "docs" / "performance.json"
 PAGE = ROOT / "docs" / "performance.md"
 IMAGE = ROOT / "docs" / "images" / "performance.png"
@@ -151,9 +154,26 @@ def load(path: Path = DATA) -> dict:
     return json.loads(path.read_text())
 
 
+def merge_files(data: dict, paths: list[Path], measured: str) -> None:
+    """Merge the figures of `--json` files that ran on `measured` (a machine's name) today."""
+    now = datetime.datetime.now()
+    stamp = {"run": f"{now:%Y-%m-%d %H:%M}", "measured": f"{now:%Y-%m-%d}, {measured}"}
+    data.setdefault("runs", {})[stamp["run"]] = {"merged": [p.name for p in paths], "gpu": measured}
+    data["machines"] += f"; {measured}" * (measured not in data["machines"])
+    for path in paths:
+        figures = json.loads(path.read_text())["figures"]
+        merge(data, figures, stamp | {"command": f"`--json` file {path.name}, merged"})
+
+
 def run(args: argparse.Namespace) -> None:
-    """Redraw (or, with `--check`, compare) the page's table and its picture."""
+    """Merge `--merge`'s files into the JSON, then redraw (or, with `--check`, compare) the
+    page's table and its picture."""
     data, page = load(), PAGE.read_text()
+    if args.merge:
+        if not args.measured:
+            sys.exit("--merge needs --measured: the machine the figures were measured on")
+        merge_files(data, [Path(path) for path in args.merge.split(",")], args.measured)
+        DATA.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     if not args.check:
         return write_page(data)
     if page_with_table(page, table(data)) != page:

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from benchmarks.core import Figure, median, record
-from benchmarks.workload import Trace, keep_checked, smc_figures, step_costs, wall_clock
+from benchmarks.workload import Trace, cold, keep_checked, smc_figures, step_costs, wall_clock
 
 OPTIONS = {"configs": "10x32,32x32", "repeats": 3}
 OPTIONS["interleave"] = (False, "a query during a sample")
@@ -26,7 +26,7 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=T
     from genlm.backend.llm.vllm.capture import add_to_sampler, remove_from_sampler
 
     def run() -> list:
-        lm.llm_engine.reset_prefix_cache()
+        cold(lm)
         particles, kept, stamps = [list(trace.prompt) for _ in range(n)], {}, []
         for step in range(steps):
             tags = [("floor", step, particle) for particle in range(n)]
@@ -63,7 +63,7 @@ def decode(lm: Any, trace: Trace, n: int, steps: int) -> None:
     tags = [("decode", particle) for particle in range(n)]
 
     def run() -> None:
-        lm.llm_engine.reset_prefix_cache()
+        cold(lm)
         params = [
             SamplingParams(
                 max_tokens=steps,

@@ -69,19 +69,30 @@ def vllm_engine_opts() -> Callable[[dict], dict]:
 def engine_rounds(monkeypatch) -> Callable:
     """Factory: spies on an `AsyncVirtualLM`'s engine; returns its list of admission rounds.
 
-    A round is the prompts of the requests added to the engine between two of its steps:
-    requests of one round share the engine's next step.
+    A round is the contexts of the requests added to the engine between two of its steps
+    (a live request resumed: its whole context): requests of one round share the engine's
+    next step.
     """
 
     def spy_on(lm) -> list[list[tuple[int, ...]]]:
         engine = lm.llm_engine.llm_engine
         add_request, step = engine.add_request, engine.step
+        live = lm._engine._live
         rounds: list[list[tuple[int, ...]]] = []
         arrived: list[tuple[int, ...]] = []
 
         def spied_add_request(request_id, prompt, *args, **kwargs):
             arrived.append(tuple(prompt["prompt_token_ids"]))
             return add_request(request_id, prompt, *args, **kwargs)
+
+        if live is not None:
+            add_live = live.add
+
+            def spied_add_live(token_ids, *args, **kwargs):
+                arrived.append(tuple(token_ids))
+                return add_live(token_ids, *args, **kwargs)
+
+            monkeypatch.setattr(live, "add", spied_add_live)
 
         def spied_step():
             if arrived:

@@ -295,7 +295,7 @@ async def test_engine_error_reaches_every_caller_and_model_recovers(
         raise ValueError("request refused")
 
     with monkeypatch.context() as patch:
-        patch.setattr(vllm_lm.llm_engine.llm_engine, "add_request", refuse)
+        patch.setattr(vllm_lm.llm_engine.llm_engine.input_processor, "process_inputs", refuse)
         results = await asyncio.gather(
             *(vllm_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
         )
@@ -492,6 +492,21 @@ def test_replacing_and_removing_an_adapter(lora_lm, reference, adapters):
     with pytest.raises(ValueError, match="registered adapters: none"):
         lm.remove_lora("swap")
     assert_matches(lm.next_token_logprobs_sync(prompt), reference(prompt), LORA_DTYPE)
+
+
+def test_a_live_request_is_resumed_for_its_own_adapter_only(lora_lm, reference, adapters):
+    folders, references = adapters
+    lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture, cache_size=0)
+    prompt = LORA_PROMPTS[0]
+    lm.add_new_lora(str(folders["first"]), "live")
+    lm.next_token_logprobs_sync(prompt[:-1])  # the base model's request waits idle there
+    lm.next_token_logprobs_sync(prompt[:-1], lora_name="live")  # and the adapter's
+    row = lm.next_token_logprobs_sync(prompt, lora_name="live")
+    assert_matches(row, references["first"][tuple(prompt)], LORA_DTYPE)
+    assert_matches(lm.next_token_logprobs_sync(prompt), reference(prompt), LORA_DTYPE)
+    idle = lm._engine._live.idle
+    lm.remove_lora("live")
+    assert lm._engine._live.idle == idle - 1  # the adapter's live request ended with it
 
 
 async def test_a_query_whose_adapter_is_removed_while_it_waits_fails_alone(

@@ -153,7 +153,7 @@ async def test_engine_error_reaches_every_caller(tp_lm, reference, monkeypatch):
         raise ValueError("request refused")
 
     with monkeypatch.context() as patch:
-        patch.setattr(tp_lm.llm_engine.llm_engine, "add_request", refuse)
+        patch.setattr(tp_lm.llm_engine.llm_engine.input_processor, "process_inputs", refuse)
         results = await asyncio.gather(
             *(tp_lm.next_token_logprobs(p) for p in PROMPTS), return_exceptions=True
         )

@@ -117,7 +117,9 @@ class EngineAdapters:
         """Drop a `LoRARequest` that is no longer registered from the cache and the engine."""
         self._cache.remove_if(lambda query: query[0] == request)
         self._unchained.discard(request)
-        # The engine keeps loaded adapters by id; no later registration reuses this one.
+        # Its live requests end first. The engine keeps loaded adapters by id; no later
+        # registration reuses this one.
+        self._engine.release_live(request.lora_int_id).result()
         self._engine.call(self._llm.llm_engine.remove_lora, request.lora_int_id).result()
 
     def _fresh_id(self, lora_name: str) -> int:

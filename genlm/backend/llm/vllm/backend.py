@@ -401,8 +401,11 @@ class AsyncVirtualLM(AsyncLM):
         return await self._sample_batcher.submit(request)
 
     def clear_cache(self) -> None:
-        """Drop every cached result."""
+        """Drop every cached result, and end the engine requests kept live for the next token
+        of their context (their key/value blocks go back to the engine)."""
         self.cache.clear()
+        if self._engine is not None and not self._engine.dead and not self._engine.closed:
+            self._engine.release_live().result()
 
     def reset_async_queries(self) -> None:
         """Drop queued queries; their awaiting callers are cancelled, not left hanging."""

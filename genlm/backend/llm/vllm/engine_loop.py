@@ -21,12 +21,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
 
 from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm.vllm.capture import reported_engine_death, worker_processes
+from genlm.backend.llm.vllm.live_requests import ALL, chunk_done, live_requests
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,16 @@ class EngineRequest(NamedTuple):
             engine; an exception it returns becomes the request's outcome in
             place of its output and the request stays out (the rest of its
             group runs). `None`: no check.
+        live: Keep the request live after its output, to be resumed by a
+            later request that extends its prompt by one token (see
+            `live_requests`), where the engine supports it.
     """
 
     prompt: Any
     params: Any
     lora: Any
     check: Callable[[], BaseException | None] | None = None
+    live: bool = False
 
 
 class _Group:
@@ -136,6 +141,7 @@ class EngineLoop:
         self._running: dict[str, tuple[_Group, int]] = {}
         self._running_adapters = False
         self._ids = itertools.count()
+        self._live = live_requests(self._engine)
         self._thread = threading.Thread(
             target=_serve, args=(weakref.ref(self),), name="genlm-vllm", daemon=True
         )
@@ -222,6 +228,19 @@ class EngineLoop:
         future: Future = Future()
         self._post(_Call(function, args, future))
         return future
+
+    def release_live(self, adapter: Hashable = ALL) -> Future:
+        """End the idle live requests (of one adapter's id, `None` for the base model; default:
+        all), between two steps.
+
+        Returns:
+            A future of `None`, answered once they ended.
+
+        Raises:
+            RuntimeError: After `close()`.
+            EngineDeadError: If the engine died.
+        """
+        return self.call(self._live.release if self._live else lambda _: None, adapter)
 
     def close(self) -> None:
         """Stop the threads; requests not finished yet fail with `RuntimeError`.
@@ -340,6 +359,8 @@ class EngineLoop:
         self._admit()
         if self._running and self._death is None:
             self._step()
+            if self._live is not None and self._death is None:
+                self._live.relieve(stalled=bool(self._running))
         return True
 
     def _stop(self, error: BaseException | None = None) -> None:
@@ -383,6 +404,8 @@ class EngineLoop:
             return
         if not self._pending:
             return
+        if self._live is not None:
+            self._live.make_room(len(self._pending), len(self._running))
         self._running_adapters = _uses_adapter(self._pending[0])
         later = deque()
         for entry in self._pending:
@@ -402,12 +425,13 @@ class EngineLoop:
             return
         request_id = f"genlm-{next(self._ids)}"
         try:
-            self._engine.add_request(
-                request_id,
-                request.prompt,
-                request.params,
-                lora_request=request.lora,
-            )
+            if request.live and self._live is not None:
+                ids = request.prompt["prompt_token_ids"]
+                request_id = self._live.add(ids, request.params, request.lora)
+            else:
+                self._engine.add_request(
+                    request_id, request.prompt, request.params, lora_request=request.lora
+                )
         except BaseException as exc:  # the group's caller gets it
             if self._is_fatal(exc):
                 self._mark_dead(exc, "adding a request")
@@ -425,9 +449,14 @@ class EngineLoop:
         if self._death is not None:  # died during the step: its outputs may be incomplete
             return
         for output in outputs:
-            if not output.finished or output.request_id not in self._running:
+            request_id = output.request_id
+            live = self._live is not None and self._live.is_live(request_id)
+            done = output.finished or live and chunk_done(output)
+            if not done or request_id not in self._running:
                 continue
-            group, position = self._running.pop(output.request_id)
+            if live:
+                self._live.park(request_id)
+            group, position = self._running.pop(request_id)
             self._record(group, position, output)
 
     def _after_failed_step(self, exc: BaseException) -> None:
@@ -452,6 +481,9 @@ class EngineLoop:
         request_id = f"genlm-probe-{next(self._ids)}"
         try:
             self._engine.abort_request(list(self._running))
+            if self._live is not None:
+                self._live.forget(list(self._running))
+                self._live.release()
             self._running.clear()
             self._engine.add_request(request_id, self._probe.prompt, self._probe.params)
             for _ in range(_PROBE_STEPS):
@@ -488,6 +520,8 @@ class EngineLoop:
             try:
                 if in_engine:
                     self._engine.abort_request(in_engine)
+                    if self._live is not None:
+                        self._live.forget(in_engine)
                 group.discard()
             except Exception:  # the caller gets `exc`; this one is only logged
                 logger.exception("cleaning up after a failed vLLM request group failed too")

@@ -161,6 +161,7 @@ def captured_request(
     prompt_rows: Sequence[tuple[int, Hashable]] = (),
     reads_prefix_cache: bool = True,
     prompt_logprobs: int | None = None,
+    live: bool = False,
 ) -> EngineRequest:
     """A one-token request whose next-token row the capture `owner` (`None`: any) records.
 
@@ -176,6 +177,7 @@ def captured_request(
         reads_prefix_cache: Whether the engine may take the prompt's start
             from its prefix cache.
         prompt_logprobs: vLLM's own prompt log-probabilities to return.
+        live: See `EngineRequest`.
     """
     # From the submodules: `from vllm import ...` goes through vLLM's lazy module
     # `__getattr__` at every call, about half of this function's time.
@@ -197,7 +199,7 @@ def captured_request(
         extra_args=extra_args,
         skip_reading_prefix_cache=None if reads_prefix_cache else True,
     )
-    return EngineRequest(tokens_input(list(token_ids)), params, lora, check)
+    return EngineRequest(tokens_input(list(token_ids)), params, lora, check, live)
 
 
 def sample_request(

@@ -139,6 +139,7 @@ class RowRequests:
                     check=self._adapters.check(lora),
                     prompt_rows=prompt_rows,
                     reads_prefix_cache=chain.reads_prefix_cache,
+                    live=not members and not recompute,
                 )
             )
 

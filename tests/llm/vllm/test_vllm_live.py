@@ -135,6 +135,19 @@ async def test_idle_requests_give_their_slots_to_new_ones(live_lm, reference, sc
     assert live_lm._engine._live.idle == SLOTS
 
 
+async def test_making_room_spares_the_idle_requests_a_batch_resumes(live_lm, reference, scheduled):
+    first = [context(50 + i, 20) for i in range(SLOTS)]
+    for ids in first:  # least recently used first: first[0], first[1], ...
+        await ask(live_lm, [ids])
+    before = len(scheduled)
+    # Two new contexts need two of the slots: the two oldest idle requests are the ones the
+    # batch resumes, so the next two end instead.
+    batch = [[*first[0], 9], [*first[1], 9], context(60, 20), context(61, 20)]
+    assert_rows(await ask(live_lm, batch), batch, reference)
+    tokens = [tokens for step in scheduled[before:] for tokens in step.values()]
+    assert sorted(tokens) == [1, 1, 20, 20]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a 12-block cache: CPU build only")
 async def test_idle_requests_end_when_their_blocks_are_needed(live_lm, reference, scheduled):
     # 12 blocks, one of them vLLM's null block: two idle requests of 4 blocks leave 3 free,

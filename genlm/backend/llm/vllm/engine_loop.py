@@ -405,7 +405,9 @@ class EngineLoop:
         if not self._pending:
             return
         if self._live is not None:
-            self._live.make_room(len(self._pending), len(self._running))
+            requests = [group.requests[position] for group, position in self._pending]
+            live = [(r.prompt["prompt_token_ids"], r.lora) for r in requests if r.live]
+            self._live.make_room(live, len(requests) - len(live), len(self._running))
         self._running_adapters = _uses_adapter(self._pending[0])
         later = deque()
         for entry in self._pending:

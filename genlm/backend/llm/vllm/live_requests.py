@@ -90,7 +90,7 @@ class LiveRequests:
             prompt longer than the model's limit).
         """
         adapter = None if lora is None else lora.lora_int_id
-        request_id = self._idle.pop((adapter, tuple(token_ids[:-1])), None)
+        request_id = self._idle.pop(self._resumed_key(token_ids, lora), None)
         fed = token_ids[-1:]
         if request_id is None:
             request_id, fed = f"genlm-live-{next(self._ids)}", token_ids
@@ -124,11 +124,14 @@ class LiveRequests:
         for request_id in request_ids:
             self._busy.pop(request_id, None)
 
-    def make_room(self, incoming: int, running: int) -> None:
-        """End idle requests, least recently used first, so that `incoming` new requests find
-        engine slots beside `running` ones, and while the key/value cache is under pressure."""
-        over = self.idle + running + incoming - self._slots
-        self._end_oldest(over)
+    def make_room(self, live: list[tuple[list[int], Any]], others: int, running: int) -> None:
+        """End idle requests, least recently used first, so that the requests about to enter
+        (`live`: the `(token ids, LoRA request)` of live ones, and `others` more) find engine
+        slots beside `running` ones, sparing those the live ones resume; and while the
+        key/value cache is under pressure."""
+        resumed = {self._resumed_key(ids, lora) for ids, lora in live} & self._idle.keys()
+        over = self.idle + running + len(live) - len(resumed) + others - self._slots
+        self._end_oldest(over, spare=resumed)
         self.relieve(stalled=False)
 
     def relieve(self, stalled: bool) -> None:
@@ -146,11 +149,15 @@ class LiveRequests:
         self._idle = OrderedDict((c, r) for c, r in self._idle.items() if r not in set(ended))
         self._end(ended)
 
-    def _end_oldest(self, count: int) -> None:
-        ended = []
-        while self._idle and len(ended) < count:
-            ended.append(self._idle.popitem(last=False)[1])
-        self._end(ended)
+    @staticmethod
+    def _resumed_key(token_ids: list[int], lora: Any) -> Context:
+        """The idle context a query of `token_ids` for `lora` would resume."""
+        return (None if lora is None else lora.lora_int_id, tuple(token_ids[:-1]))
+
+    def _end_oldest(self, count: int, spare: set[Context] = frozenset()) -> None:
+        """End the `count` least recently used idle requests (but not those at `spare`)."""
+        ended = list(itertools.islice((c for c in self._idle if c not in spare), max(count, 0)))
+        self._end([self._idle.pop(context) for context in ended])
 
     def _end(self, request_ids: list[str]) -> None:
         """End idle requests (in the engine core: the output processor no longer has them)."""

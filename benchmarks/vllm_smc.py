@@ -5,6 +5,7 @@ given to `LLM.generate(max_tokens=1)` with the same capture, a call per step. Sa
 `--interleave`: one query alone, and while a 128-token `sample` runs."""
 
 import asyncio
+import operator
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -84,13 +85,13 @@ def decode(lm: Any, trace: Trace, n: int, steps: int) -> None:
 
 def decode_step(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock) -> list:
     """The engine's decode step of N sequences, as one step cost: `decode` of T tokens less
-    `decode` of one (the prefill and a first token), over T - 1, each timed by `clock`."""
-    seconds = []
+    `decode` of one (the prefill and a first token), over T - 1, in every column of `clock`."""
+    costs = []
     for tokens in (1, steps):
-        start = clock()[0]
+        start = clock()
         decode(lm, trace, n, tokens)
-        seconds.append(clock()[0] - start)
-    return [((seconds[1] - seconds[0]) / (steps - 1),)]
+        costs.append(tuple(map(operator.sub, clock(), start)))
+    return [tuple((long - short) / (steps - 1) for short, long in zip(*costs, strict=True))]
 
 
 async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:

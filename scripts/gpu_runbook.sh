@@ -4,11 +4,13 @@
 #   bash scripts/gpu_runbook.sh [SECONDS]
 # Runs in this order, each in what is left of SECONDS (default 540; a step that would not fit is
 # said and skipped): gpu_smc's vLLM rows on the V2 runner beside the released 0.3.1, on the V1
-# runner, its transformers rows beside 0.3.1, the tries' device path, then the tests on CUDA (those
-# that need SmolLM2's weights left out: the weights do not travel). Expects, in .gpuassets/, the
-# assets folder (SmolLM2's tokenizer files, the qwen2 and gpt-2 tokenizers) and released-0.3.1/
-# (`pip install --no-deps --target`). Figures go to $OUT/*.json (merge them with
-# `python -m benchmarks.page merge`), output to $OUT/bench.log and $OUT/tests.log.
+# runner, the tries' device path, the tests on CUDA (those that need SmolLM2's weights left out:
+# the weights do not travel; the tiny models are built there first), then gpu_smc's
+# transformers rows beside 0.3.1. On 2026-11-27 (H100) the first two took 285 and 123 s.
+# Expects, in .gpuassets/, the assets folder (SmolLM2's tokenizer files, the qwen2 and gpt-2
+# tokenizers) and released-0.3.1/ (`pip install --no-deps --target`). Figures go to $OUT/*.json
+# (here: `python -m benchmarks page --merge FILES --measured GPU-NAME`), output to
+# $OUT/bench.log and $OUT/tests.log.
 set -u
 deadline=$((SECONDS + ${1:-540}))
 out=${OUT:-/tmp/gpu-runbook}
@@ -37,12 +39,15 @@ bench=("$python" -m benchmarks gpu_smc --device cuda)
 run_step v2 240 "$out/bench.log" "${bench[@]}" --skip-hf --released "$released" --json "$out/v2.json"
 run_step v1 120 "$out/bench.log" "${bench[@]}" --skip-hf --skip-released --runner v1 \
   --json "$out/v1.json"
-run_step hf 90 "$out/bench.log" "${bench[@]}" --skip-vllm --released "$released" \
-  --json "$out/hf.json"
 run_step trie 60 "$out/bench.log" "$python" -m benchmarks trie --device cuda --json "$out/trie.json"
 grep -E "^(transformers|vLLM|trie|0\.3\.1|engine start|Traceback|[A-Za-z]*Error)|ms  " \
   "$out/bench.log" | grep -v "INFO\|WARNING"
-run_step tests 60 "$out/tests.log" "$python" -m pytest -q -p no:cacheprovider \
+"$python" -c "from genlm.backend import assets; assets.tiny_model('llama'); assets.tiny_model('gpt2')"
+# -v: each test's outcome is in the log as it ends, should the budget cut the run.
+run_step tests 60 "$out/tests.log" "$python" -m pytest -v -p no:cacheprovider \
   -p scripts.gpu_test_plugin --timeout 300 -rfE tests/llm/vllm tests/test_output_cache.py \
   tests/trie tests/llm/hf/test_hf.py
-tail -25 "$out/tests.log"
+grep -E "FAILED|ERROR|passed|failed" "$out/tests.log" | tail -25
+run_step hf 150 "$out/bench.log" "${bench[@]}" --skip-vllm --released "$released" \
+  --json "$out/hf.json"
+grep -E "^transformers|0\.3\.1 did not" "$out/bench.log"

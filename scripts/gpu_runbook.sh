@@ -36,13 +36,16 @@ nvidia-smi -L
 "$python" -c "import torch, transformers, vllm; print('torch', torch.__version__, \
 'transformers', transformers.__version__, 'vllm', vllm.__version__)" 2>&1 | tail -1
 bench=("$python" -m benchmarks gpu_smc --device cuda)
-run_step v2 240 "$out/bench.log" "${bench[@]}" --skip-hf --released "$released" --json "$out/v2.json"
+run_step v2 240 "$out/bench.log" "${bench[@]}" --skip-hf --released "$released" \
+  --json "$out/v2.json"
 run_step v1 120 "$out/bench.log" "${bench[@]}" --skip-hf --skip-released --runner v1 \
   --json "$out/v1.json"
 run_step trie 60 "$out/bench.log" "$python" -m benchmarks trie --device cuda --json "$out/trie.json"
 grep -E "^(transformers|vLLM|trie|0\.3\.1|engine start|Traceback|[A-Za-z]*Error)|ms  " \
   "$out/bench.log" | grep -v "INFO\|WARNING"
-"$python" -c "from genlm.backend import assets; assets.tiny_model('llama'); assets.tiny_model('gpt2')"
+"$python" -c "from genlm.backend import assets
+for arch in ('llama', 'gpt2'):
+    assets.tiny_model(arch)"
 # -v: each test's outcome is in the log as it ends, should the budget cut the run.
 run_step tests 60 "$out/tests.log" "$python" -m pytest -v -p no:cacheprovider \
   -p scripts.gpu_test_plugin --timeout 300 -rfE tests/llm/vllm tests/test_output_cache.py \

@@ -39,6 +39,19 @@ def tiny_llama_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_reference(tiny_llama_path: Path) -> Callable[[Sequence[int]], torch.Tensor]:
+    """`reference(token_ids)`: the tiny Llama's next-token row from an uncached float32
+    transformers pass (on the CPU)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    hf_lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(tiny_llama_path))
+    return lambda token_ids: hf_lm.next_token_logprobs_uncached(list(token_ids)).float().cpu()
+
+
+@pytest.fixture(scope="session")
 def tokenizer_path() -> Callable[[str], Path]:
     """Factory: tokenizer family name (see `assets.TOKENIZERS`) to its folder."""
 

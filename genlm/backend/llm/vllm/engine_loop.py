@@ -428,12 +428,12 @@ class EngineLoop:
         if refusal is not None:
             self._record(group, position, refusal)
             return
-        request_id = f"genlm-{next(self._ids)}"
         try:
             if request.live and self._live is not None:
                 ids = request.prompt["prompt_token_ids"]
                 request_id = self._live.add(ids, request.params, request.lora)
             else:
+                request_id = f"genlm-{next(self._ids)}"
                 self._engine.add_request(
                     request_id, request.prompt, request.params, lora_request=request.lora
                 )

@@ -269,6 +269,24 @@ def test_stored_rows_keep_their_dtype_and_values(dtype, torch_threads):
     assert torch.equal(cache[(9,)], expected[3] * 2) and torch.equal(cache[(8,)], expected[1] * 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_separate_rows_keep_their_dtype_and_values(dtype):
+    # Rows given as a list are copied on the CPU through numpy (float dtypes) or by torch
+    # (bfloat16); columns of a matrix (strided rows) and rows that require grad too.
+    cache = OutputCache(maxsize=8)
+    matrix = torch.randn(13, 5, generator=torch.Generator().manual_seed(2)).to(dtype)
+    rows = [matrix[:, 3], matrix[:, 0].clone().requires_grad_(dtype != torch.float16)]
+    rows += [matrix[:, 4], torch.full((13,), 7.0, dtype=dtype)]
+    expected = [row.detach().clone() for row in rows]
+    cache.store_rows([(i,) for i in range(4)], rows)
+    with torch.no_grad():
+        matrix.zero_()
+        rows[1].zero_()
+    for i in range(4):
+        assert cache[(i,)].dtype == dtype and torch.equal(cache[(i,)], expected[i])
+    assert not cache[(1,)].requires_grad  # a copy, outside the caller's graph
+
+
 def test_store_rows_takes_separate_rows_from_several_tensors():
     # Rows given as a list (e.g. views of two engine steps' results) are stored as private
     # copies. The 10 slots freed below are not adjacent, so the 10 rows land in 10 runs

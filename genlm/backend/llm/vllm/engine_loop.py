@@ -453,6 +453,7 @@ class EngineLoop:
             return
         if self._death is not None:  # died during the step: its outputs may be incomplete
             return
+        parked = []  # live requests that wait idle from now on, parked together
         for output in outputs:
             request_id = output.request_id
             live = self._live is not None and self._live.is_live(request_id)
@@ -462,9 +463,11 @@ class EngineLoop:
             if live and output.finished:  # ended by the engine (an error): nothing to resume
                 self._live.forget([request_id])
             elif live:
-                self._live.park(request_id)
+                parked.append(request_id)
             group, position = self._running.pop(request_id)
             self._record(group, position, output)
+        if parked:
+            self._live.park(parked)
 
     def _after_failed_step(self, exc: BaseException) -> None:
         """The step raised `exc`: fail its groups with it, or, if the engine died, everyone.

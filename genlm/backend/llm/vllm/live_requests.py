@@ -107,17 +107,19 @@ class LiveRequests:
         """Whether `request_id` is a live request computing now."""
         return request_id in self._busy
 
-    def park(self, request_id: str) -> None:
-        """The live request `request_id` returned its row: it waits idle at its context (the
-        idle request already there, if any, ends)."""
-        context = self._busy.pop(request_id)
-        replaced = self._idle.pop(context, None)
-        if replaced is not None:
-            self._end([replaced])
-        self._idle[context] = request_id
-        # Idle, it is the engine core's alone: the output processor, which the next input
-        # registers again, would count it unfinished (and `LLM.generate` would wait for it).
-        self._engine.output_processor.abort_requests([request_id], internal=True)
+    def park(self, request_ids: list[str]) -> None:
+        """These live requests returned their rows: each waits idle at its context (an idle
+        request already there ends)."""
+        replaced = []
+        for request_id in request_ids:
+            context = self._busy.pop(request_id)
+            if (other := self._idle.pop(context, None)) is not None:
+                replaced.append(other)
+            self._idle[context] = request_id
+        self._end(replaced)
+        # Idle, they are the engine core's alone: the output processor, which the next input
+        # registers again, would count them unfinished (and `LLM.generate` would wait).
+        self._engine.output_processor.abort_requests(request_ids, internal=True)
 
     def forget(self, request_ids: list[str]) -> None:
         """These requests were aborted (failed or cancelled): no longer live."""

@@ -156,3 +156,73 @@ async def test_idle_requests_end_when_their_blocks_are_needed(live_lm, reference
     newcomer = context(40, 100)
     assert_rows(await ask(live_lm, [newcomer]), [newcomer], reference)
     assert live_lm._engine._live.idle == 2  # one ended; the newcomer's waits
+
+
+class FakeLiveEngine:
+    """Rows of contexts as an engine with live requests would give them: each context's row is
+    a seeded log-softmax of its own; a query that extends an idle context by one token resumes
+    it and gets `resumed(context)` instead (the fault under test)."""
+
+    def __init__(self, resumed):
+        self.resumed, self.idle = resumed, set()
+
+    @staticmethod
+    def row(context):
+        seed = hash(tuple(context)) % 2**31
+        return torch.randn(64, generator=torch.Generator().manual_seed(seed)).log_softmax(-1)
+
+    def rows(self, contexts):
+        out = [self.resumed(c) if tuple(c[:-1]) in self.idle else self.row(c) for c in contexts]
+        self.idle = {tuple(c) for c in contexts}
+        return out
+
+    def release(self):
+        self.idle.clear()
+
+
+@pytest.mark.parametrize(
+    ("fault", "agrees"),
+    [
+        (lambda c: FakeLiveEngine.row(c), True),
+        # bfloat16-sized noise, as a decode step's kernels give against a prefill's
+        (lambda c: FakeLiveEngine.row(c) * (1 + 4e-3) + 1e-2, True),
+        (lambda c: FakeLiveEngine.row(c[:-1]), False),  # the fed token is lost
+        (lambda c: FakeLiveEngine.row([*c, c[-1]]), False),  # fed twice
+        (lambda c: FakeLiveEngine.row([*c[:-1], c[-1] + 1]), False),  # another token
+        (lambda c: torch.zeros(64), False),
+    ],
+    ids=["right", "noisy", "stale", "doubled", "other-token", "zeros"],
+)
+def test_the_startup_check_tells_wrong_resumed_rows_from_noisy_ones(fault, agrees):
+    from genlm.backend.llm.vllm.live_requests import check_resumed_rows
+
+    engine = FakeLiveEngine(fault)
+    disagreement = check_resumed_rows(engine.rows, engine.release)
+    assert (disagreement is None) is agrees, disagreement
+
+
+async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
+    tiny_llama_path, vllm_engine_opts, reference, monkeypatch, caplog
+):
+    from genlm.backend.llm.vllm.live_requests import LiveRequests
+
+    submit = LiveRequests._submit
+
+    def feeds_the_wrong_token(self, request_id, token_ids, params, lora):
+        if len(token_ids) == 1:  # a resumed request's input: break it
+            token_ids = [token_ids[0] + 1]
+        return submit(self, request_id, token_ids, params, lora)
+
+    monkeypatch.setattr(LiveRequests, "_submit", feeds_the_wrong_token)
+    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
+    lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
+    try:
+        assert "live requests are off" in caplog.text
+        assert not lm._engine.keeps_live
+        contexts = [context(70, 40)]
+        for token in (5, 6):
+            contexts.append([*contexts[-1], token])
+        for ids in contexts:  # a particle's steps: each a request of its own, right
+            assert_rows(await ask(lm, [ids]), [ids], reference)
+    finally:
+        lm.cleanup()

@@ -64,6 +64,7 @@ from genlm.backend.llm.vllm.capture import (
 )
 from genlm.backend.llm.vllm.engine_loop import close_engine_loop, engine_loop
 from genlm.backend.llm.vllm.engine_options import engine_options, use_v1_runner_from_now
+from genlm.backend.llm.vllm.live_requests import check_resumed_rows
 from genlm.backend.llm.vllm.request_plan import SampleRequest, probe_request, raise_first_error
 from genlm.backend.llm.vllm.row_requests import RowRequests
 
@@ -508,9 +509,30 @@ class AsyncVirtualLM(AsyncLM):
         return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
 
     def _check_capture(self) -> None:
-        """Check the capture on one request (see `request_plan.check_capture`)."""
+        """Check the capture on one request (see `request_plan.check_capture`), then the rows of
+        resumed live requests (`live_requests.check_resumed_rows`): live requests are turned
+        off, with a warning, where they differ from fresh requests' rows."""
         max_logprobs = self.llm_engine.llm_engine.model_config.max_logprobs
         self._requests.check_capture(max_logprobs)
+        if not self._engine.keeps_live:
+            return
+
+        def rows(contexts: list[list[int]]) -> list[torch.Tensor]:
+            outcomes = self._requests.logprobs([(None, tuple(ids)) for ids in contexts]).result()
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            return outcomes
+
+        disagreement = check_resumed_rows(rows, lambda: self._engine.release_live().result())
+        self.cache.clear()
+        if disagreement is not None:
+            logger.warning(
+                "genlm-backend: live requests are off for this engine (every query starts a "
+                "request of its own): %s",
+                disagreement,
+            )
+            self._engine.stop_live().result()
 
     async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
         return await asyncio.wrap_future(self._requests.logprobs(queries))

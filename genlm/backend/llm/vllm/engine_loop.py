@@ -245,6 +245,25 @@ class EngineLoop:
         """
         return self.call(self._live.release if self._live else lambda _: None, adapter)
 
+    @property
+    def keeps_live(self) -> bool:
+        """Whether requests marked `live` stay in the engine after their output."""
+        return self._live is not None
+
+    def stop_live(self) -> Future:
+        """End the idle live requests and keep no request live from now on, between two steps.
+
+        Returns:
+            A future of `None`, answered once they ended.
+        """
+
+        def stop() -> None:
+            if self._live is not None:
+                self._live.release()
+                self._live = None
+
+        return self.call(stop)
+
     def close(self) -> None:
         """Stop the threads; requests not finished yet fail with `RuntimeError`.
 
@@ -453,21 +472,24 @@ class EngineLoop:
             return
         if self._death is not None:  # died during the step: its outputs may be incomplete
             return
-        parked = []  # live requests that wait idle from now on, parked together
+        done, parked = [], []  # parked: live requests that wait idle from now on
         for output in outputs:
             request_id = output.request_id
             live = self._live is not None and self._live.is_live(request_id)
-            done = output.finished or live and chunk_done(output)
-            if not done or request_id not in self._running:
+            if not (output.finished or live and chunk_done(output)):
+                continue
+            if request_id not in self._running:
                 continue
             if live and output.finished:  # ended by the engine (an error): nothing to resume
                 self._live.forget([request_id])
             elif live:
                 parked.append(request_id)
-            group, position = self._running.pop(request_id)
-            self._record(group, position, output)
-        if parked:
+            done.append(output)
+        if parked:  # together, and before their callers hear: an answered request is idle
             self._live.park(parked)
+        for output in done:
+            group, position = self._running.pop(output.request_id)
+            self._record(group, position, output)
 
     def _after_failed_step(self, exc: BaseException) -> None:
         """The step raised `exc`: fail its groups with it, or, if the engine died, everyone.

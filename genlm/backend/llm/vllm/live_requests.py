@@ -25,6 +25,9 @@ Policy (all on the engine thread):
   while the key/value cache is over `PRESSURE` full.
 - They also end on `release` (`clear_cache`, removing their adapter); a
   failed step ends the requests it ran.
+
+`check_resumed_rows` runs when a backend starts: resumed requests must give
+the rows fresh requests give, else the backend turns live requests off.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
+
+import torch
 
 # Key/value cache usage (a fraction) at which idle requests start to end.
 PRESSURE = 0.9
@@ -194,3 +199,58 @@ class LiveRequests:
 def chunk_done(output: Any) -> bool:
     """Whether an engine output ends a live request's current input (it stays unfinished)."""
     return bool(output.outputs) and output.outputs[0].finish_reason is not None
+
+
+# The startup check's two contexts and the two tokens each is extended by (ids every vocabulary
+# has), and how much nearer its own fresh row a resumed row must be than a wrong one.
+_PROBES = (([0, 1, 2, 3], [4, 5]), ([3, 2, 1, 0], [6, 7]))
+_MARGIN = 0.5
+
+
+def check_resumed_rows(
+    rows: Callable[[list[list[int]]], list[torch.Tensor]], release: Callable[[], None]
+) -> str | None:
+    """Compare rows of resumed live requests with rows of fresh requests of the same contexts.
+
+    Two contexts are extended by a token twice, each query resuming the previous one's
+    request, as a sampler's steps do. Each resumed row must be nearer (by `_MARGIN`) the row a
+    fresh request gives its context than the rows of two wrong computations: the previous
+    step's context (an input not fed) and the context with its last token twice (an input fed
+    twice). Comparing nearness, not a tolerance, holds wherever fresh and resumed requests run
+    different kernels (a prefill against a decode step, in bfloat16 on a GPU).
+
+    Args:
+        rows: The rows of a batch of contexts (base model), through live requests.
+        release: Ends every idle live request.
+
+    Returns:
+        `None` if they agree, else what disagreed.
+    """
+    release()
+    contexts = [context for context, _ in _PROBES]
+    history = [rows(contexts)]
+    for step in range(2):
+        contexts = [c + [tokens[step]] for c, (_, tokens) in zip(contexts, _PROBES, strict=True)]
+        history.append(rows(contexts))
+    previous, resumed = history[-2:]
+    release()
+    fresh = rows(contexts)
+    release()
+    doubled = rows([context + context[-1:] for context in contexts])
+    release()
+    for context, row, right, *wrong in zip(
+        contexts, resumed, fresh, previous, doubled, strict=True
+    ):
+        near, far = _distance(row, right), min(_distance(row, other) for other in wrong)
+        if not near <= _MARGIN * far:
+            return (
+                f"after context {context} a resumed request's row is {near:.3g} nats from a "
+                f"fresh request's, and {far:.3g} from a wrong computation's"
+            )
+    return None
+
+
+def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |difference| of two log-probability rows (-inf in both: no difference)."""
+    difference = (a.float() - b.float()).abs()
+    return float(torch.where(difference.isnan(), 0.0, difference).max())

@@ -145,6 +145,7 @@ class AsyncVirtualLM(AsyncLM):
         self._sample_batcher = AutoBatcher(self._evaluate_samples, batch_size, timeout)
         self._closed = False
         self._check_capture()
+        self._check_live_requests()
 
     @classmethod
     def from_name(
@@ -509,11 +510,13 @@ class AsyncVirtualLM(AsyncLM):
         return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
 
     def _check_capture(self) -> None:
-        """Check the capture on one request (see `request_plan.check_capture`), then the rows of
-        resumed live requests (`live_requests.check_resumed_rows`): live requests are turned
-        off, with a warning, where they differ from fresh requests' rows."""
+        """Check the capture on one request (see `request_plan.check_capture`)."""
         max_logprobs = self.llm_engine.llm_engine.model_config.max_logprobs
         self._requests.check_capture(max_logprobs)
+
+    def _check_live_requests(self) -> None:
+        """Check the rows of resumed live requests (`live_requests.check_resumed_rows`): live
+        requests are turned off, with a warning, where they differ from fresh requests'."""
         if not self._engine.keeps_live:
             return
 

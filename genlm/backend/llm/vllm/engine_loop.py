@@ -476,9 +476,8 @@ class EngineLoop:
         for output in outputs:
             request_id = output.request_id
             live = self._live is not None and self._live.is_live(request_id)
-            if not (output.finished or live and chunk_done(output)):
-                continue
-            if request_id not in self._running:
+            finished = output.finished or live and chunk_done(output)
+            if not finished or request_id not in self._running:
                 continue
             if live and output.finished:  # ended by the engine (an error): nothing to resume
                 self._live.forget([request_id])

@@ -285,6 +285,10 @@ def test_separate_rows_keep_their_dtype_and_values(dtype):
     for i in range(4):
         assert cache[(i,)].dtype == dtype and torch.equal(cache[(i,)], expected[i])
     assert not cache[(1,)].requires_grad  # a copy, outside the caller's graph
+    rows, missing = cache.get_rows([(3,), (0,), (9,), (2,)])  # gathered, numpy's way for floats
+    assert missing == [2] and rows.dtype == dtype
+    for position, i in ((0, 3), (1, 0), (3, 2)):
+        assert torch.equal(rows[position], expected[i])
 
 
 def test_store_rows_takes_separate_rows_from_several_tensors():

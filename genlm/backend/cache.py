@@ -126,8 +126,17 @@ def _gather_rows(
 
     One operation per run of consecutive positions (a copy, or an `index_select`
     when the run's slots are not consecutive), where a copy per row is one
-    kernel launch per row on an accelerator.
+    kernel launch per row on an accelerator. On the CPU, float rows are copied
+    by numpy (`take`), as `_RowPool.put` stores them.
     """
+    numpy_rows = rows.dtype == source.dtype and rows.dtype in _MEMMOVE_DTYPES
+    if numpy_rows and rows.is_cpu and source.is_cpu:
+        target, pool = rows.numpy(), source.numpy()
+        for start, offset, length in _runs(positions):
+            np.take(
+                pool, slots[offset : offset + length], axis=0, out=target[start : start + length]
+            )
+        return
     for start, offset, length in _runs(positions):
         target = rows.narrow(0, start, length)
         run_slots = slots[offset : offset + length]

@@ -145,6 +145,6 @@ def run(args: argparse.Namespace) -> None:
                 ours, floor, notes = measure(lm, model, forward, n, steps, args.repeats)
                 label = f"{NAMES[backend]}, {NAMES[arch]}, N={n}" + f", T={steps}" * (steps != 32)
                 row_id = f"overhead/{arch}/{backend}/{n}x{steps}"
-                record(Figure(row_id, label, "+ms", ours, floor, target="≤ +1 ms", notes=notes))
+                record(Figure(row_id, label, "+ms", ours, floor, target="≤ +0.5 ms", notes=notes))
             if backend == "vllm":
                 lm.cleanup()

@@ -7,7 +7,6 @@ CPU build) a key/value cache of 12 blocks of 32 tokens, so that a few idle reque
 """
 
 import asyncio
-import os
 
 import pytest
 import torch
@@ -38,23 +37,15 @@ def live_lm(tiny_llama_path, vllm_engine_opts):
         "block_size": BLOCK,
         "seed": 0,
     }
-    space = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would win over the bytes
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would win over the bytes
         if not torch.cuda.is_available():  # a cache this small exists on the CPU build only
             opts["kv_cache_memory_bytes"] = BLOCKS * BLOCK * BYTES_PER_TOKEN
         lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
-    finally:
-        if space is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = space
     if lm._engine._live is None:
         pytest.fail("this vLLM keeps no resumable requests: live requests are off")
     yield lm
     lm.cleanup()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_reference):
-    return tiny_llama_reference
 
 
 @pytest.fixture
@@ -89,23 +80,27 @@ def assert_rows(rows, contexts, reference):
         torch.testing.assert_close(row.cpu(), reference(ids), atol=TOLERANCE, rtol=0)
 
 
-async def test_a_context_extended_by_one_token_costs_one_token(live_lm, reference, scheduled):
+async def test_a_context_extended_by_one_token_costs_one_token(
+    live_lm, tiny_llama_reference, scheduled
+):
     contexts = [context(1, 70)]
     for token in (5, 6, 7):  # a particle's three steps
         contexts.append([*contexts[-1], token])
     for ids in contexts:
-        assert_rows(await ask(live_lm, [ids]), [ids], reference)
+        assert_rows(await ask(live_lm, [ids]), [ids], tiny_llama_reference)
     work = [sum(step.values()) for step in scheduled]
     assert work == [70, 1, 1, 1]
     requests = {request_id for step in scheduled for request_id in step}
     assert len(requests) == 1  # one request, fed a token three times
 
 
-async def test_particles_that_extend_one_context_are_each_answered(live_lm, reference, scheduled):
+async def test_particles_that_extend_one_context_are_each_answered(
+    live_lm, tiny_llama_reference, scheduled
+):
     ancestor = context(2, 40)
     await ask(live_lm, [ancestor])
     children = [[*ancestor, token] for token in (11, 12, 13)]
-    assert_rows(await ask(live_lm, children), children, reference)
+    assert_rows(await ask(live_lm, children), children, tiny_llama_reference)
     # One child feeds the ancestor's request; the others are new requests, which find the
     # ancestor's full block in the prefix cache and compute the rest (9 tokens each).
     assert sorted(scheduled[-1].values()) == [1, 9, 9]
@@ -121,16 +116,18 @@ async def test_clear_cache_ends_the_idle_requests(live_lm, scheduled):
     assert engine.reset_prefix_cache()  # no block held any more
 
 
-async def test_idle_requests_give_their_slots_to_new_ones(live_lm, reference, scheduled):
+async def test_idle_requests_give_their_slots_to_new_ones(live_lm, tiny_llama_reference, scheduled):
     first = [context(10 + i, 20) for i in range(SLOTS)]
     await ask(live_lm, first)
     assert live_lm._engine._live.idle == SLOTS  # every slot held by an idle request
     second = [context(20 + i, 20) for i in range(SLOTS)]
-    assert_rows(await ask(live_lm, second), second, reference)
+    assert_rows(await ask(live_lm, second), second, tiny_llama_reference)
     assert live_lm._engine._live.idle == SLOTS
 
 
-async def test_making_room_spares_the_idle_requests_a_batch_resumes(live_lm, reference, scheduled):
+async def test_making_room_spares_the_idle_requests_a_batch_resumes(
+    live_lm, tiny_llama_reference, scheduled
+):
     first = [context(50 + i, 20) for i in range(SLOTS)]
     for ids in first:  # least recently used first: first[0], first[1], ...
         await ask(live_lm, [ids])
@@ -138,13 +135,15 @@ async def test_making_room_spares_the_idle_requests_a_batch_resumes(live_lm, ref
     # Two new contexts need two of the slots: the two oldest idle requests are the ones the
     # batch resumes, so the next two end instead.
     batch = [[*first[0], 9], [*first[1], 9], context(60, 20), context(61, 20)]
-    assert_rows(await ask(live_lm, batch), batch, reference)
+    assert_rows(await ask(live_lm, batch), batch, tiny_llama_reference)
     tokens = [tokens for step in scheduled[before:] for tokens in step.values()]
     assert sorted(tokens) == [1, 1, 20, 20]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a 12-block cache: CPU build only")
-async def test_idle_requests_end_when_their_blocks_are_needed(live_lm, reference, scheduled):
+async def test_idle_requests_end_when_their_blocks_are_needed(
+    live_lm, tiny_llama_reference, scheduled
+):
     # 12 blocks, one of them vLLM's null block: two idle requests of 4 blocks leave 3 free,
     # one block fewer than a newcomer of 100 tokens needs (the cache is 67% full: under
     # `PRESSURE`). It cannot start until an idle request ends.
@@ -154,7 +153,7 @@ async def test_idle_requests_end_when_their_blocks_are_needed(live_lm, reference
     assert live_lm._engine._live.idle == 2
     assert live_lm._engine._live._scheduler.kv_cache_manager.block_pool.num_gpu_blocks == BLOCKS
     newcomer = context(40, 100)
-    assert_rows(await ask(live_lm, [newcomer]), [newcomer], reference)
+    assert_rows(await ask(live_lm, [newcomer]), [newcomer], tiny_llama_reference)
     assert live_lm._engine._live.idle == 2  # one ended; the newcomer's waits
 
 
@@ -202,7 +201,7 @@ def test_the_startup_check_tells_wrong_resumed_rows_from_noisy_ones(fault, agree
 
 
 async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
-    tiny_llama_path, vllm_engine_opts, reference, monkeypatch, caplog
+    tiny_llama_path, vllm_engine_opts, tiny_llama_reference, monkeypatch, caplog
 ):
     from genlm.backend.llm.vllm.live_requests import LiveRequests
 
@@ -223,6 +222,6 @@ async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
         for token in (5, 6):
             contexts.append([*contexts[-1], token])
         for ids in contexts:  # a particle's steps: each a request of its own, right
-            assert_rows(await ask(lm, [ids]), [ids], reference)
+            assert_rows(await ask(lm, [ids]), [ids], tiny_llama_reference)
     finally:
         lm.cleanup()

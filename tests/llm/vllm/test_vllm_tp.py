@@ -57,24 +57,13 @@ PROMPTS = [[1, 504, 3458, 282], [5, 6, 7, 8, 9, 10, 11], [42], list(range(300, 3
 
 @pytest.fixture(scope="module")
 def tp_lm(tiny_llama_path, vllm_engine_opts):
-    saved = {name: os.environ.get(name) for name in TP_ENV}
-    os.environ.update(TP_ENV)
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in TP_ENV.items():
+            patch.setenv(name, value)
         opts = vllm_engine_opts(TP_OPTS)
         lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=opts, cache_size=0)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     yield lm
     lm.cleanup()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_reference):
-    return tiny_llama_reference
 
 
 @pytest.fixture
@@ -99,32 +88,36 @@ def wait_until_gone(pids: list[int], limit: float = 60.0) -> list[int]:
     return [pid for pid in pids if is_alive(pid)]
 
 
-def test_two_workers_agree_with_transformers(tp_lm, reference):
+def test_two_workers_agree_with_transformers(tp_lm, tiny_llama_reference):
     assert len(tp_lm._logits.worker_pids) == 2
     rows = tp_lm.batch_next_token_logprobs_sync(PROMPTS)
     for prompt, row in zip(PROMPTS, rows, strict=True):
         assert row.shape == (49152,)
-        torch.testing.assert_close(row, reference(prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(row, tiny_llama_reference(prompt), atol=ATOL, rtol=0)
     single = tp_lm.next_token_logprobs_sync(PROMPTS[0])
-    torch.testing.assert_close(single, reference(PROMPTS[0]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(single, tiny_llama_reference(PROMPTS[0]), atol=ATOL, rtol=0)
 
 
-async def test_concurrent_queries_enter_together_duplicates_once(tp_lm, reference, rounds):
+async def test_concurrent_queries_enter_together_duplicates_once(
+    tp_lm, tiny_llama_reference, rounds
+):
     queries = PROMPTS + PROMPTS[:2]
     results = await asyncio.gather(*(tp_lm.next_token_logprobs(p) for p in queries))
     assert len(rounds) == 1
     assert sorted(rounds[0]) == sorted(tuple(p) for p in PROMPTS)
     for prompt, row in zip(queries, results, strict=True):
-        torch.testing.assert_close(row, reference(prompt), atol=ATOL, rtol=0)
+        torch.testing.assert_close(row, tiny_llama_reference(prompt), atol=ATOL, rtol=0)
 
 
-async def test_all_prefixes_are_one_request_read_through_the_workers(tp_lm, reference, rounds):
+async def test_all_prefixes_are_one_request_read_through_the_workers(
+    tp_lm, tiny_llama_reference, rounds
+):
     ids = list(range(500, 560))  # sent by no other test: nothing of it in the prefix cache
     prefixes = [ids[:i] for i in range(1, len(ids) + 1)]
     rows = await tp_lm.batch_next_token_logprobs(prefixes)
     assert rounds == [[tuple(ids)]]
     torch.testing.assert_close(
-        rows, torch.stack([reference(p) for p in prefixes]), atol=ATOL, rtol=0
+        rows, torch.stack([tiny_llama_reference(p) for p in prefixes]), atol=ATOL, rtol=0
     )
 
 
@@ -141,7 +134,7 @@ async def test_cache_and_seeded_sampling(tp_lm, rounds):
     assert await tp_lm.sample(PROMPTS[0], 6, [stop], seed=4) == runs[0][: runs[0].index(stop)]
 
 
-async def test_engine_error_reaches_every_caller(tp_lm, reference, monkeypatch):
+async def test_engine_error_reaches_every_caller(tp_lm, tiny_llama_reference, monkeypatch):
     # The engine refuses the requests; its workers live, so it does too. A worker that
     # dies kills the engine (test_vllm_dead.py).
     def refuse(*args, **kwargs):
@@ -155,7 +148,7 @@ async def test_engine_error_reaches_every_caller(tp_lm, reference, monkeypatch):
     assert [repr(r) for r in results] == ["ValueError('request refused')"] * len(PROMPTS)
     assert not tp_lm._engine.dead
     row = await tp_lm.next_token_logprobs(PROMPTS[2])
-    torch.testing.assert_close(row, reference(PROMPTS[2]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(row, tiny_llama_reference(PROMPTS[2]), atol=ATOL, rtol=0)
 
 
 def test_underlying_model_is_not_reachable(tp_lm):

@@ -32,7 +32,10 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=T
         for step in range(steps):
             tags = [("floor", step, particle) for particle in range(n)]
             extra = [{"genlm_capture_tag": tag} if capture else None for tag in tags]
-            params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=e) for e in extra]
+            params = [
+                SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=e)
+                for e in extra
+            ]
             prompts = [{"prompt_token_ids": p} for p in particles]
             stamps.append(clock())
             lm.llm_engine.generate(prompts, params, use_tqdm=False)
@@ -56,9 +59,9 @@ def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=T
 
 
 def decode(lm: Any, trace: Trace, n: int, steps: int) -> None:
-    """The engine decoding N sequences of the trace's prompt for T tokens together (sampled as
-    the backend's requests are, seeded; end of sequence ignored), the capture recording every
-    row (vLLM skips it in all-greedy batches); in a fresh thread, as `floor`."""
+    """The engine decoding N sequences of the trace's prompt for T tokens together (greedy, as
+    the backend's requests are; end of sequence ignored), the capture recording every row; in a
+    fresh thread, as `floor`."""
     from vllm import SamplingParams
 
     tags = [("decode", particle) for particle in range(n)]
@@ -68,12 +71,12 @@ def decode(lm: Any, trace: Trace, n: int, steps: int) -> None:
         params = [
             SamplingParams(
                 max_tokens=steps,
-                seed=particle,
+                temperature=0.0,
                 ignore_eos=True,
                 detokenize=False,
                 extra_args={"genlm_capture_tag": tag},
             )
-            for particle, tag in enumerate(tags)
+            for tag in tags
         ]
         prompts = [{"prompt_token_ids": list(trace.prompt)} for _ in range(n)]
         lm.llm_engine.generate(prompts, params, use_tqdm=False)

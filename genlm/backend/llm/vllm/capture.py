@@ -54,10 +54,8 @@ def import_vllm() -> Any:
 class GlobalLogprobsCapture:
     """A vLLM logits processor that records full-vocabulary log-probabilities.
 
-    It sees the logits of every request the sampler handles (in the V1
-    model runner after the request's temperature is applied, in the V2
-    runner before; the backend's own requests use temperature 1) and changes
-    nothing. It keeps the
+    It sees the logits of every request the sampler handles, greedy ones
+    included, before any temperature is applied, and changes nothing. It keeps the
     log-softmax of the latest batch, and, for requests whose
     `SamplingParams.extra_args` carry a capture tag, the latest row of that
     request: for a request with `max_tokens=1` that is the next-token
@@ -79,12 +77,17 @@ class GlobalLogprobsCapture:
         self._latest: torch.Tensor | None = None
 
     def is_argmax_invariant(self) -> bool:
-        """Recording does not change the logits, so greedy sampling can skip it.
+        """Whether vLLM may skip this processor in all-greedy batches: no.
+
+        Recording changes no logits, but the backend's own requests are
+        greedy (their sampled token is never used: a greedy one costs an
+        argmax where a random one costs noise over every row), and their rows
+        must be recorded all the same.
 
         Returns:
-            `True`.
+            `False`.
         """
-        return True
+        return False
 
     def update_state(self, batch_update: Any) -> None:
         """Follow requests entering, leaving and moving within vLLM's batch.
@@ -277,8 +280,9 @@ def add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> bool:
 
     V1 model runner: the persistent batch owns the processors the sampler
     applies (`input_batch.logitsprocs`); processors there are told about batch
-    changes (`update_state`) and see every randomly sampled row (`apply`), so
-    `capture` is appended to the argmax-invariant ones, and the runner's
+    changes (`update_state`); those that may change the argmax see every row
+    before temperature and sampling (`apply`), greedy or not, so `capture` is
+    appended to them, and the runner's
     prompt-logprobs step is wrapped in a `PromptRowsHook`. V2 model runner:
     its `sampler` is wrapped in a `CapturingSampler`.
 
@@ -288,8 +292,8 @@ def add_to_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> bool:
     """
     logitsprocs = getattr(getattr(model_runner, "input_batch", None), "logitsprocs", None)
     if logitsprocs is not None:
-        if capture not in logitsprocs.argmax_invariant:
-            logitsprocs.argmax_invariant.append(capture)
+        if capture not in logitsprocs.non_argmax_invariant:
+            logitsprocs.non_argmax_invariant.append(capture)
         return PromptRowsHook.install(model_runner, capture)
     if not (hasattr(model_runner, "sampler") and hasattr(model_runner, "req_states")):
         raise RuntimeError(
@@ -307,8 +311,8 @@ def remove_from_sampler(model_runner: Any, capture: GlobalLogprobsCapture) -> No
     """Undo `add_to_sampler`: `capture` records nothing more (other captures stay)."""
     logitsprocs = getattr(getattr(model_runner, "input_batch", None), "logitsprocs", None)
     if logitsprocs is not None:
-        if capture in logitsprocs.argmax_invariant:
-            logitsprocs.argmax_invariant.remove(capture)
+        if capture in logitsprocs.non_argmax_invariant:
+            logitsprocs.non_argmax_invariant.remove(capture)
         PromptRowsHook.remove(model_runner, capture)
         return
     outer, sampler = model_runner, getattr(model_runner, "sampler", None)

@@ -191,7 +191,9 @@ def captured_request(
         extra_args[CHAIN_ROWS] = [[position, row_tag] for position, row_tag in prompt_rows]
     params = SamplingParams(
         max_tokens=1,
-        temperature=1.0,
+        # Greedy: the sampled token is never used, and an argmax costs far less than a random
+        # sample's noise over every row (the capture records greedy rows too).
+        temperature=0.0,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         detokenize=False,

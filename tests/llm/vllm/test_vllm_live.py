@@ -7,6 +7,7 @@ CPU build) a key/value cache of 12 blocks of 32 tokens, so that a few idle reque
 """
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -207,10 +208,11 @@ async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
 
     submit = LiveRequests._submit
 
-    def feeds_the_wrong_token(self, request_id, token_ids, params, lora):
-        if len(token_ids) == 1:  # a resumed request's input: break it
-            token_ids = [token_ids[0] + 1]
-        return submit(self, request_id, token_ids, params, lora)
+    def feeds_the_wrong_token(self, request):
+        if len(request.prompt_token_ids) == 1:  # a resumed request's input: break it
+            request = copy.copy(request)
+            request.prompt_token_ids = [request.prompt_token_ids[0] + 1]
+        return submit(self, request)
 
     monkeypatch.setattr(LiveRequests, "_submit", feeds_the_wrong_token)
     opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -77,6 +78,9 @@ class LiveRequests:
         self._idle: OrderedDict[Context, str] = OrderedDict()
         # Requests computing now: id -> the context they will have computed.
         self._busy: dict[str, Context] = {}
+        # The last input each live request was given (vLLM's `EngineCoreRequest`): the next
+        # one is made from it.
+        self._sent: dict[str, Any] = {}
         self._ids = itertools.count()
 
     @property
@@ -88,23 +92,29 @@ class LiveRequests:
         """Put a query into the engine as a live request; returns its request id.
 
         It resumes the idle request whose context is `token_ids` less the last
-        token (same adapter), fed that token; else it is a new request.
+        token (same adapter), fed that token; else it is a new request. The
+        queries' `params` may differ in their `extra_args` alone (the capture's
+        tag): a resumed request takes the parameters vLLM's input processing
+        made for its first query, with the new `extra_args`.
 
         Raises:
-            Whatever vLLM's input processing raises for the request (e.g. a
+            Whatever vLLM's input processing raises for a new request (e.g. a
             prompt longer than the model's limit).
         """
         adapter = None if lora is None else lora.lora_int_id
         request_id = self._idle.pop(self._resumed_key(token_ids, lora), None)
-        fed = token_ids[-1:]
-        if request_id is None:
-            request_id, fed = f"genlm-live-{next(self._ids)}", token_ids
         try:
-            self._submit(request_id, fed, params, lora)
+            if request_id is None:
+                request_id = f"genlm-live-{next(self._ids)}"
+                request = self._processed(request_id, token_ids, params, lora)
+            else:
+                request = self._resumed(self._sent[request_id], token_ids[-1], params)
+            self._submit(request)
         except BaseException:
-            if len(fed) < len(token_ids):  # the idle request may be half-updated: end it
+            if request_id in self._sent:  # an idle request, perhaps half-updated: end it
                 self._end([request_id])
             raise
+        self._sent[request_id] = request
         self._busy[request_id] = (adapter, tuple(token_ids))
         return request_id
 
@@ -130,6 +140,7 @@ class LiveRequests:
         """These requests were aborted (failed or cancelled): no longer live."""
         for request_id in request_ids:
             self._busy.pop(request_id, None)
+            self._sent.pop(request_id, None)
 
     def make_room(self, live: list[tuple[list[int], Any]], others: int, running: int) -> None:
         """End idle requests, least recently used first, so that the requests about to enter
@@ -167,12 +178,14 @@ class LiveRequests:
 
     def _end(self, request_ids: list[str]) -> None:
         """End idle requests (in the engine core: the output processor no longer has them)."""
+        for request_id in request_ids:
+            self._sent.pop(request_id, None)
         if request_ids:
             self._engine.engine_core.abort_requests(request_ids)
 
-    def _submit(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> None:
-        """Add a resumable request, or feed `token_ids` to the idle one of that id, as
-        `LLMEngine.add_request` adds a request but under our own id (it would randomise it)."""
+    def _processed(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> Any:
+        """A new resumable request through vLLM's input processing, under our own id
+        (`LLMEngine.add_request` would randomise it)."""
         from vllm.inputs.engine import tokens_input
 
         request = self._engine.input_processor.process_inputs(
@@ -184,6 +197,22 @@ class LiveRequests:
             resumable=True,
         )
         request.external_req_id = request_id
+        return request
+
+    @staticmethod
+    def _resumed(previous: Any, token: int, params: Any) -> Any:
+        """The next input of a live request: its previous input's processed request (checked,
+        its parameters completed by vLLM) with one new token and the query's `extra_args`."""
+        request = copy.copy(previous)
+        request.prompt_token_ids = [token]
+        request.sampling_params = copy.copy(previous.sampling_params)
+        request.sampling_params.extra_args = params.extra_args
+        request.arrival_time = time.time()
+        return request
+
+    def _submit(self, request: Any) -> None:
+        """Register `request` with the output processor and add it to the engine core (a new
+        request, or the next input of the live one of its id)."""
         self._engine.output_processor.add_request(request, None, None, 0)
         # With the engine core in this process, both sides would share the prompt list, and
         # each extends it with every later input: the core gets a list of its own.
@@ -192,7 +221,7 @@ class LiveRequests:
         try:
             self._engine.engine_core.add_request(own)
         except BaseException:
-            self._engine.output_processor.abort_requests([request_id], internal=True)
+            self._engine.output_processor.abort_requests([request.request_id], internal=True)
             raise
 
 

@@ -141,7 +141,15 @@ def run_backend(lm: Any, trace: Trace, n: int, steps: int, cache_kv=False, sampl
     """`smc` through `lm` after `cold(lm)` (`run`: its `clock`, `critic`, `scores`): wall
     and CPU seconds, and its per-step costs; the checked rows go into the dict `sampled`."""
     cold(lm)
-    wall, cpu, (rows, costs) = timed(asyncio.run, smc(lm, trace, n, steps, cache_kv, **run))
+    outcome = []
+
+    async def main() -> None:
+        # Returns nothing: Python 3.11's `asyncio.run` formats its main task, result included,
+        # as it exits (`signal.getsignal`), and the repr of the rows would be timed too.
+        outcome.append(await smc(lm, trace, n, steps, cache_kv, **run))
+
+    wall, cpu, _ = timed(asyncio.run, main())
+    rows, costs = outcome[0]
     (sampled if sampled is not None else {}).update(rows)
     return wall, cpu, costs
 

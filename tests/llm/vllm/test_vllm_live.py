@@ -117,6 +117,22 @@ async def test_clear_cache_ends_the_idle_requests(live_lm, scheduled):
     assert engine.reset_prefix_cache()  # no block held any more
 
 
+async def test_an_idle_request_the_engine_ended_is_not_resumed(
+    live_lm, tiny_llama_reference, scheduled
+):
+    ancestor = context(5, 40)
+    await ask(live_lm, [ancestor])
+    (idle,) = live_lm._engine._live._idle.values()
+    # Ended inside the engine behind the backend's back (its own bookkeeping still has it).
+    live_lm._engine.call(live_lm.llm_engine.llm_engine.engine_core.abort_requests, [idle]).result()
+    child = [*ancestor, 9]
+    assert_rows(await ask(live_lm, [child]), [child], tiny_llama_reference)
+    # A new request with the whole context (its first block from the prefix cache), not the
+    # ended one fed a token.
+    assert idle not in scheduled[-1]
+    assert sum(scheduled[-1].values()) == len(child) - BLOCK
+
+
 async def test_idle_requests_give_their_slots_to_new_ones(live_lm, tiny_llama_reference, scheduled):
     first = [context(10 + i, 20) for i in range(SLOTS)]
     await ask(live_lm, first)

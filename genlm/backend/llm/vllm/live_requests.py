@@ -103,6 +103,9 @@ class LiveRequests:
         """
         adapter = None if lora is None else lora.lora_int_id
         request_id = self._idle.pop(self._resumed_key(token_ids, lora), None)
+        if request_id is not None and request_id not in self._scheduler.requests:
+            self._sent.pop(request_id)  # ended inside the engine meanwhile: a new request
+            request_id = None
         try:
             if request_id is None:
                 request_id = f"genlm-live-{next(self._ids)}"

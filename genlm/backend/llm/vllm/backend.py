@@ -521,11 +521,8 @@ class AsyncVirtualLM(AsyncLM):
             return
 
         def rows(contexts: list[list[int]]) -> list[torch.Tensor]:
-            outcomes = self._requests.logprobs([(None, tuple(ids)) for ids in contexts]).result()
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            return outcomes
+            queries = [(None, tuple(ids)) for ids in contexts]
+            return raise_first_error(self._requests.logprobs(queries).result())
 
         disagreement = check_resumed_rows(rows, lambda: self._engine.release_live().result())
         self.cache.clear()

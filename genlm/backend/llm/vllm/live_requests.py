@@ -260,11 +260,10 @@ def check_resumed_rows(
     """
     release()
     contexts = [context for context, _ in _PROBES]
-    history = [rows(contexts)]
+    resumed = rows(contexts)
     for step in range(2):
         contexts = [c + [tokens[step]] for c, (_, tokens) in zip(contexts, _PROBES, strict=True)]
-        history.append(rows(contexts))
-    previous, resumed = history[-2:]
+        previous, resumed = resumed, rows(contexts)
     release()
     fresh = rows(contexts)
     release()

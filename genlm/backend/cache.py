@@ -127,15 +127,17 @@ def _gather_rows(
     One operation per run of consecutive positions (a copy, or an `index_select`
     when the run's slots are not consecutive), where a copy per row is one
     kernel launch per row on an accelerator. On the CPU, float rows are copied
-    by numpy (`take`), as `_RowPool.put` stores them.
+    by numpy (`take`), as `_RowPool.put` stores them, in its `clip` mode: with
+    the default mode `take` writes into a buffer first and copies that into
+    `out` (for 16 rows of 49,152 floats, 0.30 ms against 0.15 ms). The slots
+    are the cache's own, always in range, so clipping never changes one.
     """
     numpy_rows = rows.dtype == source.dtype and rows.dtype in _MEMMOVE_DTYPES
     if numpy_rows and rows.is_cpu and source.is_cpu:
         target, pool = rows.numpy(), source.numpy()
         for start, offset, length in _runs(positions):
-            np.take(
-                pool, slots[offset : offset + length], axis=0, out=target[start : start + length]
-            )
+            run_slots, run_rows = slots[offset : offset + length], target[start : start + length]
+            np.take(pool, run_slots, axis=0, out=run_rows, mode="clip")
         return
     for start, offset, length in _runs(positions):
         target = rows.narrow(0, start, length)

@@ -5,6 +5,7 @@ from genlm.backend.llm.base import AsyncLM, MockAsyncLM
 from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.loading import load_model_by_name
 from genlm.backend.llm.mlx import AsyncMlxLM
+from genlm.backend.llm.rows import temper
 from genlm.backend.llm.sgl import AsyncSGLTransformer
 from genlm.backend.llm.vllm import AsyncVirtualLM
 
@@ -17,4 +18,5 @@ __all__ = [
     "EngineDeadError",
     "MockAsyncLM",
     "load_model_by_name",
+    "temper",
 ]

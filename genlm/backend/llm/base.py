@@ -257,10 +257,14 @@ class AsyncLM(ABC):
         str_vocab: `str_vocab[i]` is the text of token `i`.
         vocab_size: Length of a logprobs row (the model's output vocabulary);
             set by each backend.
+        device: The `torch.device` its rows live on (the CPU unless a backend
+            computes them elsewhere); draws from them (`genlm.backend.draw`)
+            run there.
         loras: The registered LoRA adapters (none for backends without LoRA).
     """
 
     vocab_size: int
+    device: torch.device = torch.device("cpu")
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer

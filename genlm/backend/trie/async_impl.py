@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from genlm.backend.batcher import AutoBatcher
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.trie.base import TokenCharacterTrie
 from genlm.backend.trie.parallel import ParallelTokenCharacterTrie
 
@@ -21,7 +21,7 @@ class AsyncTokenCharacterTrie:
     example by many `asyncio.gather`-ed samplers) are evaluated by one
     `batch_weight_sum` / `batch_weight_max` call on the underlying trie, run
     inline in the event loop once the loop has run every task that was ready
-    (see `genlm.backend.batcher` for the full rule, with `batch_size` and
+    (see `genlm.backend.batching` for the full rule, with `batch_size` and
     `timeout` as bounds). Weight vectors are validated when submitted, so a
     wrong-length vector fails only its own caller; an exception raised by a
     batched call reaches every caller of that batch, and later calls still

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genlm.backend.batcher import AutoBatcher
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch, PrefixNode
 from genlm.backend.llm.base import AsyncLM, check_token_ids, rows_through_cache
 from genlm.backend.llm.hf.adapters import PeftAdapters
@@ -51,7 +51,7 @@ class AsyncTransformer(AsyncLM):
         hf_model: A `transformers` causal LM (e.g. from `AutoModelForCausalLM`).
         hf_tokenizer: Its tokenizer.
         batch_size: A batch runs as soon as this many distinct queries wait (or
-            when the event loop goes quiet; see `genlm.backend.batcher`).
+            when the event loop goes quiet; see `genlm.backend.batching`).
         timeout: ... or this many seconds after the oldest waiting query arrived.
         kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
         cache_size: Most results (log-probability rows) kept; `None`: as many
@@ -168,6 +168,12 @@ class AsyncTransformer(AsyncLM):
     def model(self) -> Any:
         """The model (wrapped in a `peft.PeftModel` once an adapter is added)."""
         return self._passes.model_pass.model
+
+    @property
+    def device(self) -> torch.device:
+        """Where rows live: the device of the model's output layer (its logits)."""
+        head = self.model.get_output_embeddings()
+        return head.weight.device if head is not None else self.model.device
 
     @model.setter
     def model(self, value: Any) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from genlm.backend.batcher import AutoBatcher
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM, check_token_ids
 from genlm.backend.llm.kv_workspace import KVWorkspace
@@ -82,7 +82,7 @@ class AsyncMlxLM(AsyncLM):
         tokenizer: Its tokenizer (mlx-lm's `TokenizerWrapper` or the Hugging
             Face tokenizer it wraps).
         batch_size: A batch runs as soon as this many distinct queries wait (or
-            when the event loop goes quiet; see `genlm.backend.batcher`).
+            when the event loop goes quiet; see `genlm.backend.batching`).
         timeout: ... or this many seconds after the oldest waiting query arrived.
         kv_cache_bytes: Memory budget of the key/value prefix cache, in bytes.
         cache_size: Most results (log-probability rows) kept; `None`: as many
@@ -90,7 +90,8 @@ class AsyncMlxLM(AsyncLM):
         output_cache_bytes: Memory budget of the kept results, in bytes.
 
     Attributes:
-        model: The mlx-lm model.
+        model: The mlx-lm model (also `mlx_lm_model`, its name in 0.3.x).
+        device: The CPU: rows come out of MLX as CPU tensors.
         vocab_size: Length of a logprobs row (the model's output vocabulary).
         kv_cache: The `KVPrefixCache`, one tree per adapter.
         output_cache: The `OutputCache` of results, keyed by `(adapter, token_ids)`.
@@ -158,6 +159,11 @@ class AsyncMlxLM(AsyncLM):
         opts["model_config"] = {**_rope_config(model_name), **opts.get("model_config", {})}
         model, tokenizer = mlx_lm.load(model_name, **opts)
         return cls(model, tokenizer, **kwargs)
+
+    @property
+    def mlx_lm_model(self) -> Any:
+        """The mlx-lm model (`model`), by its 0.3.x name."""
+        return self.model
 
     @property
     def batch_size(self) -> int:

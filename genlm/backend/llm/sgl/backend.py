@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from genlm.backend.batcher import AutoBatcher
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import AsyncLM, check_token_ids, with_default_output_cache
 from genlm.backend.llm.sgl.scheduler_driver import (
@@ -83,6 +83,7 @@ class AsyncSGLTransformer(AsyncLM):
             )
         super().__init__(sgl_model.tokenizer)
         self.sgl_model = sgl_model
+        self.device = _scheduler_device(sgl_model)
         self.vocab_size = sgl_model.model_config.vocab_size
         # SGLang rejects prompts of `max_req_input_len` tokens or more.
         max_input = getattr(sgl_model, "max_req_input_len", None)
@@ -126,6 +127,11 @@ class AsyncSGLTransformer(AsyncLM):
         options = {**DEFAULT_ENGINE_OPTS, **(engine_opts or {})}
         scheduler = build_scheduler(model_id, options, gpu_id)
         return cls(scheduler, **with_default_output_cache(kwargs))
+
+    @property
+    def model(self) -> Any:
+        """The SGLang scheduler (`sgl_model`), by its 0.3.x name."""
+        return self.sgl_model
 
     def _query(self, token_ids: Sequence[int], lora_name: str | None) -> Query:
         self._check_open()
@@ -385,3 +391,14 @@ class AsyncSGLTransformer(AsyncLM):
         task = self._engine_task
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
+
+
+def _scheduler_device(scheduler: Any) -> torch.device:
+    """The device a scheduler computes its rows on: its server arguments' device type (the
+    CUDA GPU `gpu_id` for `cuda`; without one, CUDA where it is available)."""
+    device = getattr(getattr(scheduler, "server_args", None), "device", None)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return torch.device("cuda", getattr(scheduler, "gpu_id", 0))
+    return torch.device(device)

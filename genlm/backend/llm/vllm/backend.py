@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from genlm.backend.batcher import AutoBatcher
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import (
     AsyncLM,
@@ -106,7 +106,7 @@ class AsyncVirtualLM(AsyncLM):
             turns it on, bounded in bytes).
         cache_opts: Further `OutputCache` options (e.g. `move_to_cpu`, `max_bytes`).
         batch_size: A batch runs as soon as this many distinct queries wait (or
-            when the event loop goes quiet; see `genlm.backend.batcher`).
+            when the event loop goes quiet; see `genlm.backend.batching`).
         timeout: Seconds after the oldest waiting query that trigger a batch.
 
     Raises:
@@ -146,6 +146,7 @@ class AsyncVirtualLM(AsyncLM):
         self._closed = False
         self._check_capture()
         self._check_live_requests()
+        self._device = self._rows_device()
 
     @classmethod
     def from_name(
@@ -250,6 +251,23 @@ class AsyncVirtualLM(AsyncLM):
         """
         self._check_open()
         return self._engine.call(self._logits.model, self.llm_engine).result()
+
+    @property
+    def device(self) -> torch.device:
+        """Where rows live: the engine's device (`cuda` or `cpu`), as its rows came at start."""
+        return self._device
+
+    async def release_all(self) -> None:
+        """End every idle engine request (the requests kept live for the next token of their
+        context); their key/value blocks go back to the engine. For the end of an inference
+        run: cached rows stay, and later queries start new requests as needed.
+
+        Raises:
+            RuntimeError: After `cleanup()`.
+            EngineDeadError: If the engine died.
+        """
+        self._check_open()
+        await asyncio.wrap_future(self._engine.release_live())
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], lora_name: str | None = None
@@ -533,6 +551,13 @@ class AsyncVirtualLM(AsyncLM):
                 disagreement,
             )
             self._engine.stop_live().result()
+
+    def _rows_device(self) -> torch.device:
+        """The device of a row as the engine delivers it (in this process: its device; from
+        worker processes: wherever their replies land)."""
+        row = raise_first_error(self._requests.logprobs([(None, (0,))]).result())[0]
+        self.clear_cache()
+        return row.device
 
     async def _evaluate_logprobs(self, queries: list[tuple]) -> list[torch.Tensor]:
         return await asyncio.wrap_future(self._requests.logprobs(queries))

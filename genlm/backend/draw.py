@@ -195,21 +195,15 @@ def _bad_row(value: float, what: str) -> ValueError:
 
 def _draws(asks: list[_Ask]) -> list[Any]:
     rows = _stacked(asks)
-    log_z = torch.logsumexp(rows, dim=1)
-    # Rows with no support (or a bad entry) are drawn from as if uniform; their
-    # results are replaced below, and no other row is affected.
-    dead = ~torch.isfinite(log_z)
-    log_p = rows - torch.where(dead, 0.0, log_z).unsqueeze(1)
-    log_p.masked_fill_(dead.unsqueeze(1), 0.0)
-    index = _pick(log_p, draw_method(rows.device))
-    logp = log_p.gather(1, index.unsqueeze(1)).squeeze(1)
+    index, log_z = _PICKERS[draw_method(rows.device)](rows)
+    logp = rows.gather(1, index.unsqueeze(1)).squeeze(1) - log_z
     with_target = [i for i, ask in enumerate(asks) if ask.target is not None]
-    target_values = torch.zeros_like(log_z)
+    target_values = torch.zeros_like(logp)
     if with_target:
         targets = torch.stack([asks[i].target.to(rows.device, rows.dtype) for i in with_target])
         positions = torch.tensor(with_target, device=rows.device)
         picked = targets.gather(1, index[positions].unsqueeze(1)).squeeze(1)
-        target_values[positions] = picked
+        target_values[positions] = picked.to(target_values.dtype)
     results = []
     for ask, (i, z, p, t) in zip(asks, _read(index, log_z, logp, target_values), strict=True):
         if math.isnan(z) or z == math.inf:
@@ -221,24 +215,70 @@ def _draws(asks: list[_Ask]) -> list[Any]:
     return results
 
 
-def _pick(log_p: torch.Tensor, method: str) -> torch.Tensor:
-    """One index per row of normalised log-probabilities `log_p`, by `method`."""
-    if method == "gumbel_max":
-        noise = torch.rand(log_p.shape, dtype=log_p.dtype, device=log_p.device)
-        # -log(-log(u)) is Gumbel noise: argmax(log_p + noise) = argmax(log_p - log(-log(u))).
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_().log_()
-        return torch.sub(log_p, noise, out=noise).argmax(dim=1)
-    probs = torch.exp(log_p)
-    if method == "multinomial":
-        return torch.multinomial(probs, 1).squeeze(1)
-    # Summed in float64: a float32 sum over 10^5 columns would shift the small masses.
-    cdf = probs.cumsum(dim=1, dtype=torch.float64)
-    total = cdf[:, -1:].contiguous()
-    u = torch.rand((len(cdf), 1), dtype=torch.float64, device=cdf.device) * total
-    index = torch.searchsorted(cdf, u, right=True)
-    # Where rounding puts u at the total, the last column with mass takes it (not a
-    # zero-mass column after it).
-    return torch.minimum(index, torch.searchsorted(cdf, total)).squeeze(1)
+# Each picker maps a matrix of rows to one index per row and the rows' log-normalisers. A row
+# with no support (all -inf), NaN or +inf gets some index in range; its results are replaced.
+
+
+def _gumbel_max(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    noise = torch.rand(rows.shape, dtype=rows.dtype, device=rows.device)
+    # -log(-log(u)) is Gumbel noise: argmax(rows + noise) = argmax(rows - log(-log(u))).
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_().log_()
+    index = torch.sub(rows, noise, out=noise).argmax(dim=1)
+    return index, torch.logsumexp(rows, dim=1)
+
+
+def _masses(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`exp(rows - peak)` per row, and the peak (0 where it is not finite)."""
+    peak = rows.amax(dim=1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)
+    return torch.sub(rows, peak).exp_(), peak.squeeze(1)
+
+
+def _multinomial(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    masses, peak = _masses(rows)
+    totals = masses.sum(dim=1, dtype=torch.float64)
+    drawable = (torch.isfinite(totals) & (totals > 0)).unsqueeze(1)
+    index = torch.multinomial(torch.where(drawable, masses, 1.0), 1).squeeze(1)
+    return index, peak + totals.log()
+
+
+# Columns per block of the inverse CDF: the block is found in the rows' block sums, the column
+# in that block's own cumulative sum, so no cumulative sum runs over whole rows.
+_BLOCK = 256
+
+
+def _inverse_cdf(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    masses, peak = _masses(rows)
+    n, width = masses.shape
+    whole = width // _BLOCK * _BLOCK
+    # Sums in float64: float32 sums over 10^5 columns would shift the small masses.
+    sums = masses[:, :whole].view(n, -1, _BLOCK).sum(dim=2, dtype=torch.float64)
+    if whole < width:
+        tail = masses[:, whole:].sum(dim=1, keepdim=True, dtype=torch.float64)
+        sums = torch.cat([sums, tail], dim=1)
+    cumulative = sums.cumsum_(dim=1)
+    total = cumulative[:, -1:].contiguous()
+    u = torch.rand((n, 1), dtype=torch.float64, device=rows.device) * total
+    block = _last_with_mass(cumulative, u, total)
+    before = cumulative.gather(1, (block - 1).clamp_(min=0)) * (block > 0)
+    columns = block * _BLOCK + torch.arange(_BLOCK, device=rows.device)
+    inside = columns < width
+    in_block = masses.gather(1, columns.clamp_(max=width - 1)).to(torch.float64) * inside
+    in_block = in_block.cumsum_(dim=1)
+    column = _last_with_mass(in_block, u - before, in_block[:, -1:].contiguous())
+    index = (block * _BLOCK + column).squeeze(1).clamp_(max=width - 1)
+    return index, peak + total.squeeze(1).log()
+
+
+def _last_with_mass(cumulative: torch.Tensor, u: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The first position whose cumulative sum passes `u`, or where rounding puts `u` at the
+    total, the last position with mass (never a zero-mass position after it)."""
+    return torch.minimum(
+        torch.searchsorted(cumulative, u, right=True), torch.searchsorted(cumulative, total)
+    )
+
+
+_PICKERS = {"gumbel_max": _gumbel_max, "multinomial": _multinomial, "inverse_cdf": _inverse_cdf}
 
 
 def _log_normalisers(asks: list[_Ask]) -> list[Any]:

@@ -243,6 +243,15 @@ class AsyncLM(ABC):
 
     Concurrent `await`s of `next_token_logprobs` are batched by the backend.
 
+    Every backend's rows follow one contract: a float32 tensor on `device`
+    with exactly `vocab_size == len(str_vocab)` columns, column `i` holding
+    `log P(next token = i | context)` as the model computes it over its whole
+    output layer. A padded output layer (wider than the tokenizer) is cut to
+    the tokenizer's ids, so a row's `logsumexp` is the log-probability that
+    the next token is one of the tokenizer's (0 up to float32 rounding for a
+    model without padding); ids the output layer lacks (tokens added to the
+    tokenizer past it) are `-inf`.
+
     Every query method takes `lora_name=None`: `None` uses the adapter made
     active by `set_lora` (the base model when none is), a registered adapter's
     name uses that adapter for this call only.
@@ -255,8 +264,8 @@ class AsyncLM(ABC):
         tokenizer: The tokenizer.
         byte_vocab: `byte_vocab[i]` is the `Token` of id `i`.
         str_vocab: `str_vocab[i]` is the text of token `i`.
-        vocab_size: Length of a logprobs row (the model's output vocabulary);
-            set by each backend.
+        vocab_size: Length of a logprobs row: `len(str_vocab)` (the tokenizer's
+            length); set by each backend.
         device: The `torch.device` its rows live on (the CPU unless a backend
             computes them elsewhere); draws from them (`genlm.backend.draw`)
             run there.
@@ -282,8 +291,8 @@ class AsyncLM(ABC):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output vocabulary with
-            `logsumexp == 0`, owned by the caller.
+            A 1-D float32 tensor of `vocab_size` log-probabilities on
+            `device` (see the class), owned by the caller.
         """
 
     @abstractmethod
@@ -297,8 +306,8 @@ class AsyncLM(ABC):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output vocabulary with
-            `logsumexp == 0`, owned by the caller.
+            A 1-D float32 tensor of `vocab_size` log-probabilities on
+            `device` (see the class), owned by the caller.
         """
 
     async def batch_next_token_logprobs(

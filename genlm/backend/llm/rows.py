@@ -41,3 +41,27 @@ def temper(row: Any, temperature: float) -> Any:
             log_z = np.log(np.sum(np.exp(scaled - peak), axis=-1, keepdims=True)) + peak
         return scaled - log_z
     return torch.log_softmax(row / temperature, dim=-1)
+
+
+def fit_width(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows over a model's output layer as rows over the tokenizer's `width` ids.
+
+    Columns past `width` (a padded output layer's ids, which no token has)
+    are cut; columns the output layer lacks (tokens added past it) are
+    `-inf`, as the model can never produce them.
+
+    Args:
+        rows: Log-probabilities over the output layer, the last axis its ids.
+        width: The tokenizer's length.
+
+    Returns:
+        `rows` itself when it has `width` columns, else a new tensor that does.
+    """
+    have = rows.shape[-1]
+    if have == width:
+        return rows
+    if have > width:
+        return rows[..., :width].contiguous()
+    fitted = rows.new_full((*rows.shape[:-1], width), -math.inf)
+    fitted[..., :have] = rows
+    return fitted

@@ -784,3 +784,12 @@ async def test_empty_batches(lora_lm, lm):
             assert rows.shape == (0, vocab) and rows.dtype == torch.float32
     assert lora_lm.batch_next_token_logprobs_sync([], lora_name="a").shape == (0, LLAMA_VOCAB)
     assert lm.sgl_model.submission_sizes == [] and lora_lm.sgl_model.submission_sizes == []
+
+
+def test_rows_follow_the_row_contract(lm, reference):
+    assert lm.model is lm.sgl_model
+    assert lm.device == torch.device("cpu")
+    row = lm.next_token_logprobs_sync([5, 6, 7])
+    assert row.dtype == torch.float32 and row.shape == (len(lm.str_vocab),)
+    assert row.device == lm.device
+    torch.testing.assert_close(row, reference([5, 6, 7]), rtol=0, atol=ATOL)

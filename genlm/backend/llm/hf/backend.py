@@ -22,6 +22,7 @@ from genlm.backend.llm.base import AsyncLM, check_token_ids, rows_through_cache
 from genlm.backend.llm.hf.adapters import PeftAdapters
 from genlm.backend.llm.hf.forward import ForwardPasses
 from genlm.backend.llm.hf.query import Query
+from genlm.backend.llm.rows import fit_width
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Results of recent queries: 256 MiB holds 1,365 rows of a 49,152-token vocabulary (float32),
@@ -80,7 +81,7 @@ class AsyncTransformer(AsyncLM):
 
     Attributes:
         model: The model (wrapped in a `peft.PeftModel` once an adapter is added).
-        vocab_size: Length of a logprobs row (the model's input embeddings).
+        vocab_size: Length of a logprobs row: the tokenizer's length (see `fit_width`).
         kv_cache: The `KVPrefixCache`, one tree per adapter.
         output_cache: The `OutputCache` of results, keyed by `(adapter, token_ids)`.
     """
@@ -110,11 +111,14 @@ class AsyncTransformer(AsyncLM):
             self.output_cache,
             max_batch_bytes,
             self._model_lock,
+            row_width=len(self.byte_vocab),
         )
         self._adapters = PeftAdapters(
             self._passes, self.loras, self.kv_cache, self.output_cache, self._model_lock
         )
-        self.vocab_size = self._passes.model_pass.vocab_size
+        self.vocab_size = len(self.byte_vocab)
+        # Ids a context may hold: the tokenizer's, less those past the input embeddings.
+        self._id_bound = min(self.vocab_size, self._passes.model_pass.n_embeddings)
         self._batcher: AutoBatcher[Query, torch.Tensor] = AutoBatcher(
             self._passes.evaluate, batch_size, timeout, key=lambda query: query.key
         )
@@ -231,7 +235,7 @@ class AsyncTransformer(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities (see `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`), a context whose
@@ -285,7 +289,7 @@ class AsyncTransformer(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities (see `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`), a context whose
@@ -330,18 +334,18 @@ class AsyncTransformer(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output row with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities (see `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
         """
         adapter = self.loras.select(lora_name)
         model_pass = self._passes.model_pass
-        ids = check_token_ids(token_ids, self.vocab_size, model_pass.max_length)
+        ids = check_token_ids(token_ids, self._id_bound, model_pass.max_length)
         input_ids = torch.tensor([ids], dtype=torch.long, device=model_pass.device)
         with self._model_lock, torch.no_grad():
             logits = model_pass.call_model(adapter, input_ids=input_ids, use_cache=False)
-        return torch.log_softmax(logits.logits[0, -1].float(), dim=-1)
+        return fit_width(torch.log_softmax(logits.logits[0, -1].float(), dim=-1), self.vocab_size)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
         """Compute and keep the key/values (and the result) of a prompt.
@@ -484,7 +488,7 @@ class AsyncTransformer(AsyncLM):
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         """Checked token ids of a context that the working-memory bound can hold."""
-        ids = check_token_ids(token_ids, self.vocab_size, self._passes.model_pass.max_length)
+        ids = check_token_ids(token_ids, self._id_bound, self._passes.model_pass.max_length)
         self._passes.memory.check_fits(ids)
         return ids
 

@@ -87,6 +87,7 @@ class ForwardPasses:
         output_cache: OutputCache,
         max_batch_bytes: int,
         lock: threading.RLock,
+        row_width: int,
     ):
         self._loras = loras
         self._kv_cache = kv_cache
@@ -94,7 +95,7 @@ class ForwardPasses:
         self._lock = lock
         self.memory = WorkingMemory(model, max_batch_bytes)
         self._workspace = KVWorkspace(batches=2, spill=self._insert)
-        self.model_pass = ModelPass(model, loras, kv_cache, self._workspace, self.memory)
+        self.model_pass = ModelPass(model, loras, kv_cache, self._workspace, self.memory, row_width)
         self._aligned_pasts = has_sliding_window(self.model_pass.config)
 
     def forget_batches(self) -> None:

@@ -20,6 +20,7 @@ from genlm.backend.llm.base import LoraRegistry
 from genlm.backend.llm.hf.batch_kv import BatchKV
 from genlm.backend.llm.hf.memory import WorkingMemory
 from genlm.backend.llm.kv_workspace import KVWorkspace
+from genlm.backend.llm.rows import fit_width
 
 
 class ModelPass:
@@ -31,11 +32,13 @@ class ModelPass:
         kv_cache: The key/value prefix tree the rows of padded batches join.
         workspace: The batch buffers; an unpadded batch's is remembered there.
         memory: The working-memory bound, told the key/value size each pass measures.
+        row_width: Columns of a row: the tokenizer's length (see `fit_width`).
 
     Attributes:
         model: The model; the backend replaces it when it wraps it for LoRA.
         config: The model's text config.
-        vocab_size: Length of a logprobs row (the model's input embeddings).
+        n_embeddings: Ids the model's input embeddings accept.
+        row_width: Columns of a row: the tokenizer's length.
         max_length: Longest context the model accepts (`None`: no limit known).
         device: Where the model's input embeddings live (inputs go there).
     """
@@ -47,6 +50,7 @@ class ModelPass:
         kv_cache: KVPrefixCache,
         workspace: KVWorkspace,
         memory: WorkingMemory,
+        row_width: int,
     ):
         self.model = model
         self._loras = loras
@@ -57,7 +61,8 @@ class ModelPass:
         self._n_layers = self.config.num_hidden_layers
         self.max_length: int | None = getattr(self.config, "max_position_embeddings", None)
         embeddings = model.get_input_embeddings()
-        self.vocab_size: int = embeddings.num_embeddings
+        self.n_embeddings: int = embeddings.num_embeddings
+        self.row_width = row_width
         self.device = embeddings.weight.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -167,6 +172,7 @@ class ModelPass:
         # In place on the CPU (exact there; the CPU kernel reads a row before writing it):
         # a second fresh tensor per step would cost as much in page faults as the work.
         logprobs = torch.log_softmax(logits, dim=-1, out=logits if logits.is_cpu else None)
+        logprobs = fit_width(logprobs, self.row_width)
 
         if batch.buffer is not None:
             storage = batch.storage

@@ -43,6 +43,7 @@ from genlm.backend.cache import KVPrefixCache, OutputCache, PrefixMatch
 from genlm.backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES, AsyncLM, check_token_ids
 from genlm.backend.llm.kv_workspace import KVWorkspace
 from genlm.backend.llm.passes import Row, plan_passes, sub_batches
+from genlm.backend.llm.rows import fit_width
 
 DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # Padding new tokens a sub-batch may add per real one (`sub_batches`), beyond the few it
@@ -92,7 +93,7 @@ class AsyncMlxLM(AsyncLM):
     Attributes:
         model: The mlx-lm model (also `mlx_lm_model`, its name in 0.3.x).
         device: The CPU: rows come out of MLX as CPU tensors.
-        vocab_size: Length of a logprobs row (the model's output vocabulary).
+        vocab_size: Length of a logprobs row: the tokenizer's length (see `AsyncLM`).
         kv_cache: The `KVPrefixCache`, one tree per adapter.
         output_cache: The `OutputCache` of results, keyed by `(adapter, token_ids)`.
 
@@ -118,7 +119,9 @@ class AsyncMlxLM(AsyncLM):
         self.model = mlx_lm_model
         args = getattr(mlx_lm_model, "args", None)
         self._max_length = getattr(args, "max_position_embeddings", None)
-        self.vocab_size = getattr(args, "vocab_size", None) or self._output_width()
+        self.vocab_size = len(self.byte_vocab)
+        # Ids a context may hold: the tokenizer's, less those past the input embeddings.
+        self._id_bound = min(self.vocab_size, getattr(args, "vocab_size", None) or sys.maxsize)
         self.kv_cache = KVPrefixCache(kv_cache_bytes)
         self.output_cache = OutputCache(
             sys.maxsize if cache_size is None else cache_size, max_bytes=output_cache_bytes
@@ -193,7 +196,7 @@ class AsyncMlxLM(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities (see `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
@@ -214,7 +217,7 @@ class AsyncMlxLM(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities (see `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
@@ -258,7 +261,7 @@ class AsyncMlxLM(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's output vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities (see `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
@@ -271,7 +274,7 @@ class AsyncMlxLM(AsyncLM):
             self._selection.name = adapter
             logits = self.model(mx.array([ids]))[0, -1].astype(mx.float32)
             mx.eval(logits)
-        return torch.log_softmax(_runtime().to_torch(logits), dim=-1)
+        return fit_width(torch.log_softmax(_runtime().to_torch(logits), dim=-1), self.vocab_size)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
         """Compute and keep the key/values (and the result) of a prompt.
@@ -365,12 +368,7 @@ class AsyncMlxLM(AsyncLM):
         self._workspaces.pop(adapter, None)
 
     def _check(self, token_ids: Sequence[int]) -> tuple[int, ...]:
-        return check_token_ids(token_ids, self.vocab_size, self._max_length)
-
-    def _output_width(self) -> int:
-        import mlx.core as mx
-
-        return self.model(mx.array([[0]])).shape[-1]
+        return check_token_ids(token_ids, self._id_bound, self._max_length)
 
     def _evaluate(self, requests: list[Request]) -> list[torch.Tensor | Exception]:
         """The batch evaluator: one result per request, in order (callers own them).
@@ -471,7 +469,7 @@ class AsyncMlxLM(AsyncLM):
                 self.kv_cache.unlock(past.node)
         # MLX's float32 `logsumexp` sums 10^4-10^5 terms less accurately than torch's
         # (~1e-4 nats on SmolLM2), so torch normalises. A trunk nobody asked for reads nothing.
-        read_rows = torch.log_softmax(engine.to_torch(read), dim=-1)
+        read_rows = fit_width(torch.log_softmax(engine.to_torch(read), dim=-1), self.vocab_size)
         return read_rows, [rows[g] for group in groups for g in group]
 
     def _start(

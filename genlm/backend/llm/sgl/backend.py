@@ -69,6 +69,11 @@ class AsyncSGLTransformer(AsyncLM):
     Raises:
         ImportError: If SGLang is not installed.
         ValueError: If the scheduler has no tokenizer or uses the overlap scheduler.
+
+    Attributes:
+        sgl_model: The scheduler (also `model`, its name in 0.3.x).
+        vocab_size: Length of a logprobs row: the tokenizer's length (see `AsyncLM`).
+        device: Where rows live: the scheduler's device.
     """
 
     def __init__(
@@ -84,12 +89,14 @@ class AsyncSGLTransformer(AsyncLM):
         super().__init__(sgl_model.tokenizer)
         self.sgl_model = sgl_model
         self.device = _scheduler_device(sgl_model)
-        self.vocab_size = sgl_model.model_config.vocab_size
+        self.vocab_size = len(self.byte_vocab)
+        # Ids a context may hold: the tokenizer's, less those past the model's embeddings.
+        self._id_bound = min(self.vocab_size, sgl_model.model_config.vocab_size)
         # SGLang rejects prompts of `max_req_input_len` tokens or more.
         max_input = getattr(sgl_model, "max_req_input_len", None)
         self.max_length = None if max_input is None else max_input - 1
         self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
-        self._driver = SchedulerDriver(sgl_model, request_types)
+        self._driver = SchedulerDriver(sgl_model, request_types, self.vocab_size)
         self._adapter_names: dict[str, str] = {}  # lora_id -> name, of every adapter loaded
         self._engine_task: asyncio.Task | None = None
         self._closed = False
@@ -137,7 +144,7 @@ class AsyncSGLTransformer(AsyncLM):
         self._check_open()
         adapter = self.loras.select(lora_name)
         lora_id = None if adapter is None else self.loras[adapter]
-        return lora_id, check_token_ids(token_ids, self.vocab_size, self.max_length)
+        return lora_id, check_token_ids(token_ids, self._id_bound, self.max_length)
 
     async def _evaluate(self, queries: list[Query]) -> list[torch.Tensor | BaseException]:
         # A query whose adapter was removed while it waited gets an error of its own;
@@ -184,8 +191,8 @@ class AsyncSGLTransformer(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`,
-            owned by the caller.
+            A 1-D float32 tensor of `vocab_size` log-probabilities on `device`
+            (see `AsyncLM`), owned by the caller.
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`), an unknown
@@ -210,8 +217,8 @@ class AsyncSGLTransformer(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`,
-            owned by the caller.
+            A 1-D float32 tensor of `vocab_size` log-probabilities on `device`
+            (see `AsyncLM`), owned by the caller.
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from genlm.backend.errors import EngineDeadError
+from genlm.backend.llm.rows import fit_width
 
 INSTALL_HINT = "the SGLang backend needs SGLang: pip install 'genlm-backend[sglang]'"
 
@@ -169,8 +170,9 @@ class SchedulerDriver:
     Once the scheduler is dead (see the module), nothing touches it again.
     """
 
-    def __init__(self, scheduler: Any, request_types: SimpleNamespace):
+    def __init__(self, scheduler: Any, request_types: SimpleNamespace, row_width: int):
         self.scheduler = scheduler
+        self._row_width = row_width
         self._sgl = request_types
         self._lock = threading.RLock()
         self._outstanding: set[str] = set()
@@ -280,7 +282,8 @@ class SchedulerDriver:
                     f"SGLang aborted the request: {reason.get('message', reason)}"
                 )
             else:
-                self._results[req.rid] = torch.log_softmax(logits[row].float(), dim=-1).clone()
+                row_logprobs = torch.log_softmax(logits[row].float(), dim=-1).clone()
+                self._results[req.rid] = fit_width(row_logprobs, self._row_width)
 
     def _fail_outstanding(self, exc: Exception) -> BaseException:
         """Give every request of ours the error `exc` in a step means, and return it.

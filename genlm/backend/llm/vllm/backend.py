@@ -131,13 +131,15 @@ class AsyncVirtualLM(AsyncLM):
         self.llm_engine = llm_engine
         self.logprobs_capture = logprobs_capture
         model_config = llm_engine.llm_engine.model_config
-        self.vocab_size = model_config.get_vocab_size()
+        self.vocab_size = len(self.byte_vocab)
+        # Ids a context may hold: the tokenizer's, less those past the model's embeddings.
+        self._id_bound = min(self.vocab_size, model_config.get_vocab_size())
         self.max_model_len = model_config.max_model_len
         self.cache = OutputCache(maxsize=cache_size, **(cache_opts or {}))
         self._adapters = EngineAdapters(self.loras, llm_engine, self._engine, self.cache)
         block_size = llm_engine.llm_engine.vllm_config.cache_config.block_size
         self._requests = RowRequests(
-            self._engine, self._logits, self.cache, self._adapters, block_size
+            self._engine, self._logits, self.cache, self._adapters, block_size, self.vocab_size
         )
         self._logprobs_batcher = AutoBatcher(
             self._evaluate_logprobs, batch_size, timeout, key=lambda query: query
@@ -282,7 +284,8 @@ class AsyncVirtualLM(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities on `device` (see
+            `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`), an unknown
@@ -337,7 +340,8 @@ class AsyncVirtualLM(AsyncLM):
             lora_name: The adapter for this call (`None`: the active one, if any).
 
         Returns:
-            A 1-D float32 tensor over the model's vocabulary with `logsumexp == 0`.
+            A 1-D float32 tensor of `vocab_size` log-probabilities on `device` (see
+            `AsyncLM`).
 
         Raises:
             ValueError: For bad token ids (see `check_token_ids`) or an unknown `lora_name`.
@@ -413,7 +417,7 @@ class AsyncVirtualLM(AsyncLM):
         check_sampling_args(max_tokens, temperature)
         self._check_open()
         lora = self._adapters.request(lora_name)
-        prompt = check_token_ids(prompt_token_ids, self.vocab_size, self.max_model_len - 1)
+        prompt = check_token_ids(prompt_token_ids, self._id_bound, self.max_model_len - 1)
         max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         if max_tokens == 0:
             return []
@@ -525,7 +529,7 @@ class AsyncVirtualLM(AsyncLM):
         # A query is (LoRA request or None, token ids): results differ per adapter.
         self._check_open()
         lora = self._adapters.request(lora_name)
-        return (lora, check_token_ids(token_ids, self.vocab_size, self.max_model_len - 1))
+        return (lora, check_token_ids(token_ids, self._id_bound, self.max_model_len - 1))
 
     def _check_capture(self) -> None:
         """Check the capture on one request (see `request_plan.check_capture`)."""

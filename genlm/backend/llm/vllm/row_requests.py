@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from genlm.backend.cache import OutputCache
+from genlm.backend.llm.rows import fit_width
 from genlm.backend.llm.vllm.adapters import EngineAdapters
 from genlm.backend.llm.vllm.capture import InProcessLogits, WorkerLogits, hook_error
 from genlm.backend.llm.vllm.engine_loop import EngineLoop, then
@@ -42,6 +43,7 @@ class RowRequests:
         adapters: The backend's adapters (their checks and output-layer weights).
         block_size: Tokens per key/value block of the engine (prefix caching
             reuses whole blocks).
+        row_width: Columns of a delivered row: the tokenizer's length (see `fit_width`).
     """
 
     def __init__(
@@ -51,12 +53,14 @@ class RowRequests:
         cache: OutputCache,
         adapters: EngineAdapters,
         block_size: int,
+        row_width: int,
     ):
         self._engine = engine
         self._logits = logits
         self._cache = cache
         self._adapters = adapters
         self._block_size = block_size
+        self._row_width = row_width
         # Whether queries that are prefixes of a longer one share its request: the
         # engine must record rows at prompt positions.
         self._chains = logits.reads_prompt_rows
@@ -164,7 +168,11 @@ class RowRequests:
             unread = sum(row is None and i in leads for i, row in zip(served, rows, strict=True))
             if unread:
                 raise RuntimeError(hook_error(f"no logits were recorded for {unread} requests"))
-            found = [(i, row) for i, row in zip(served, rows, strict=True) if row is not None]
+            found = [
+                (i, fit_width(row, self._row_width))
+                for i, row in zip(served, rows, strict=True)
+                if row is not None
+            ]
             for i, row in found:
                 results[i] = row
             self._cache.store_rows([queries[i] for i, _ in found], [row for _, row in found])

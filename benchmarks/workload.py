@@ -48,11 +48,11 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return [(int(n), int(steps)) for n, steps in (pair.split("x") for pair in text.split(","))]
 
 
-def make_trace(n: int, steps: int, vocab: int, seed: int = 0) -> Trace:
-    """The seeded trace of N particles over T steps."""
+def make_trace(n: int, steps: int, vocab: int, seed: int = 0, resample=RESAMPLE_EVERY) -> Trace:
+    """The seeded trace of N particles over T steps, resampled every `resample` (0: never)."""
     draw = partial(torch.randint, generator=torch.Generator().manual_seed(seed))
     prompt, tokens = draw(0, vocab, (PROMPT_LENGTH,)).tolist(), draw(0, vocab, (steps, n))
-    every = range(RESAMPLE_EVERY - 1, steps, RESAMPLE_EVERY)
+    every = range(resample - 1, steps, resample) if resample else ()
     ancestors = {step: draw(0, n, (n,)).tolist() for step in every}
     picks = draw(0, steps * n, (CHECKED,)).tolist()
     return Trace(prompt, tokens, ancestors, {divmod(p, n) for p in picks})

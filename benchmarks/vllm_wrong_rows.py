@@ -92,6 +92,8 @@ def main() -> None:
         started = time.perf_counter()
         rows, asked = asyncio.run(run_smc(lm, prompt, args.particles, args.steps, args.seed))
         smc_seconds = time.perf_counter() - started
+        forks = lm._engine.forks
+        copies = "off" if forks is None else f"{forks.forked}"
     finally:
         lm.cleanup()
     references = reference_rows(path, list(rows))
@@ -100,8 +102,9 @@ def main() -> None:
     total, bad = sum(asked.values()), sum(asked[c] for c in wrong)
     print(
         f"vllm {vllm.__version__}, live requests {'on' if live else 'off'}, trim "
-        f"{'off' if args.no_trim else 'on'}: prompt {len(prompt)} tokens, {args.particles} "
-        f"particles x {args.steps} steps ({smc_seconds:.1f} s): {bad} of {total} rows wrong "
+        f"{'off' if args.no_trim else 'on'}, partial blocks copied {copies}: prompt "
+        f"{len(prompt)} tokens, {args.particles} particles x {args.steps} steps "
+        f"({smc_seconds:.1f} s): {bad} of {total} rows wrong "
         f"(> {TOLERANCE}; {len(wrong)} of {len(errors)} distinct), largest difference "
         f"{max(errors.values()):.3g}"
     )

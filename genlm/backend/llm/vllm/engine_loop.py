@@ -22,12 +22,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm.vllm.capture import reported_engine_death
 from genlm.backend.llm.vllm.executor import close_queues_when_collected, worker_processes
+from genlm.backend.llm.vllm.forks import PartialBlockForks
+from genlm.backend.llm.vllm.futures import answer_future, start_future
 from genlm.backend.llm.vllm.live_requests import ALL, chunk_done, live_requests
 
 logger = logging.getLogger(__name__)
@@ -251,6 +253,20 @@ class EngineLoop:
         """Whether requests marked `live` stay in the engine after their output."""
         return self._live is not None
 
+    @property
+    def forks(self) -> PartialBlockForks | None:
+        """What lets new requests copy a live request's partial block (`forks`), if it is on."""
+        return None if self._live is None else self._live.forks
+
+    def stop_forks(self) -> Future:
+        """Let no new request copy a live request's partial block from now on, between two
+        steps.
+
+        Returns:
+            A future of `None`, answered once they stopped.
+        """
+        return self.call(self._live.stop_forks if self._live else lambda: None)
+
     def stop_live(self) -> Future:
         """End the idle live requests and keep no request live from now on, between two steps.
 
@@ -260,6 +276,7 @@ class EngineLoop:
 
         def stop() -> None:
             if self._live is not None:
+                self._live.stop_forks()
                 self._live.release()
                 self._live = None
 
@@ -325,7 +342,7 @@ class EngineLoop:
         logger.error("%s", message)
         error = self._death_error()
         for future in unanswered:
-            _answer(future, error=error)
+            answer_future(future, error=error)
 
     def _death_error(self) -> EngineDeadError | None:
         """The error every caller gets once the engine died (`None` while it lives)."""
@@ -373,7 +390,7 @@ class EngineLoop:
                 return False
             if isinstance(item, _Call):
                 self._call(item)
-            elif not _start(item.future):
+            elif not start_future(item.future):
                 continue
             elif item.requests:
                 self._pending.extend((item, i) for i in range(len(item.requests)))
@@ -400,23 +417,23 @@ class EngineLoop:
         if error is None:
             error = self._death_error() or RuntimeError("the vLLM engine loop was closed")
         for item in inbox:
-            if item is not _STOP and _start(item.future):
-                _answer(item.future, error=error)
+            if item is not _STOP and start_future(item.future):
+                answer_future(item.future, error=error)
         groups = {id(g): g for g, _ in [*self._running.values(), *self._pending]}
         for group in groups.values():
             self._fail(group, error)
 
     def _call(self, call: _Call) -> None:
-        if not _start(call.future):
+        if not start_future(call.future):
             return
         try:
             result = call.function(*call.args)
         except BaseException as exc:  # the caller gets it
             if self._is_fatal(exc):
                 self._mark_dead(exc, "a call into its engine")
-            _answer(call.future, error=exc)
+            answer_future(call.future, error=exc)
         else:
-            _answer(call.future, result=result)
+            answer_future(call.future, result=result)
 
     def _admit(self) -> None:
         """Move pending requests into the engine, one kind (base or adapter) at a time."""
@@ -540,9 +557,9 @@ class EngineLoop:
         except BaseException as exc:  # the group's caller gets it
             if self._is_fatal(exc):
                 self._mark_dead(exc, "reading a group's results")
-            _answer(group.future, error=exc)
+            answer_future(group.future, error=exc)
         else:
-            _answer(group.future, result=result)
+            answer_future(group.future, result=result)
 
     def _fail(self, group: _Group, exc: BaseException) -> None:
         """Take the group's requests out of the engine and pass `exc` to its caller."""
@@ -557,85 +574,12 @@ class EngineLoop:
                 group.discard()
             except Exception:  # the caller gets `exc`; this one is only logged
                 logger.exception("cleaning up after a failed vLLM request group failed too")
-        _answer(group.future, error=exc)
-
-
-def then(first: Future, step: Callable[[Any], Any]) -> Future:
-    """A future of `step(first's result)`: its value, or that of the future it returns.
-
-    `step` runs in the thread that answers `first` (the engine thread), so it
-    may post more work to the engine. Errors of `first`, of `step` and of a
-    future it returns reach the returned future; cancelling that one cancels
-    the future it waits on.
-
-    Args:
-        first: A future, e.g. of `EngineLoop.run`.
-        step: Called with `first`'s result.
-
-    Returns:
-        A `concurrent.futures.Future`.
-    """
-    result: Future = Future()
-    waited = [first]
-
-    def cancel_waited(done: Future) -> None:
-        if done.cancelled():
-            waited[-1].cancel()
-
-    def relay(done: Future) -> None:
-        if done.cancelled():
-            result.cancel()
-        elif done.exception() is not None:
-            _answer(result, error=done.exception())
-        else:
-            _answer(result, done.result())
-
-    def proceed(done: Future) -> None:
-        if done.cancelled() or done.exception() is not None:
-            relay(done)
-            return
-        try:
-            following = step(done.result())
-        except BaseException as exc:  # the caller gets it
-            _answer(result, error=exc)
-            return
-        if not isinstance(following, Future):
-            _answer(result, following)
-            return
-        waited.append(following)
-        following.add_done_callback(relay)
-        if result.cancelled():
-            following.cancel()
-
-    result.add_done_callback(cancel_waited)
-    first.add_done_callback(proceed)
-    return result
+        answer_future(group.future, error=exc)
 
 
 def _exited(worker: Any) -> bool:
     """Whether a worker process has ended (its sentinel is ready before `is_alive` knows)."""
     return bool(multiprocessing.connection.wait([worker.sentinel], timeout=0))
-
-
-def _start(future: Future) -> bool:
-    """Mark `future` running; `False` if it was cancelled or already answered (engine death)."""
-    if future.done():
-        return False
-    try:
-        return future.set_running_or_notify_cancel()
-    except RuntimeError:  # answered by the engine's death meanwhile
-        return False
-
-
-def _answer(future: Future, result: Any = None, error: BaseException | None = None) -> None:
-    """Answer `future` unless it was answered or cancelled already (by another thread)."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except InvalidStateError:
-        pass
 
 
 def _serve(loop_ref: weakref.ref) -> None:

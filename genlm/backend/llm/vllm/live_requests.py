@@ -17,8 +17,9 @@ Policy (all on the engine thread):
 - A query resumes the idle request whose context is its own less its last
   token, for the same adapter; when several queries of a batch extend one
   context (particles resampled from one ancestor), the first resumes it and
-  the others start new requests (the prefix cache gives them the context's
-  full blocks).
+  the others start new requests. The prefix cache gives them the context's
+  full blocks, and where the engine allows it (`forks`) they copy the rest,
+  the live request's partial block, instead of recomputing it.
 - Idle requests count against the engine's `max_num_seqs` and hold key/value
   blocks. The least recently used ones end when new requests need their
   slots, when the engine's requests cannot start for want of blocks, and
@@ -47,7 +48,9 @@ What vLLM releases differ in, and what this module does about it:
 `check_resumed_rows` runs when a backend starts: resumed requests must give
 the rows fresh requests give, and a block completed by a resumed input must
 not serve a context through the token the engine sampled there; else the
-backend turns live requests off.
+backend turns live requests off. `check_forked_rows` then does the same for
+requests that copy a live request's partial block; else the backend turns
+those copies off.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
+
+from genlm.backend.llm.vllm.forks import PartialBlockForks, partial_block_forks
 
 # Key/value cache usage (a fraction) at which idle requests start to end.
 PRESSURE = 0.9
@@ -117,6 +122,11 @@ class LiveRequests:
         # one is made from it.
         self._sent: dict[str, Any] = {}
         self._ids = itertools.count()
+        # Contexts whose key/values a live request holds (it computed them, or computed them
+        # and one token more) -> its id; and each request's latest two such contexts.
+        self._holders: dict[Context, str] = {}
+        self._held: dict[str, list[Context]] = {}
+        self.forks: PartialBlockForks | None = partial_block_forks(scheduler)
 
     @property
     def idle(self) -> int:
@@ -137,15 +147,19 @@ class LiveRequests:
             prompt longer than the model's limit).
         """
         adapter = None if lora is None else lora.lora_int_id
-        request_id = self._idle.pop(self._resumed_key(token_ids, lora), None)
+        key = self._resumed_key(token_ids, lora)
+        request_id = self._idle.pop(key, None)
         if request_id is not None and request_id not in self._scheduler.requests:
-            self._sent.pop(request_id)  # ended inside the engine meanwhile: a new request
+            self._drop([request_id])  # ended inside the engine meanwhile: a new request
             request_id = None
         try:
             if request_id is None:
                 request_id = f"genlm-live-{next(self._ids)}"
                 request = self._processed(request_id, token_ids, params, lora)
+                if self.forks is not None and (holder := self._holders.get(key)) is not None:
+                    self.forks.plan(request_id, holder)
             else:
+                self._hold(request_id, key)
                 request = self._resumed(self._sent[request_id], token_ids[-1], params)
                 self._drop_unkept_hashes(request_id)
             self._submit(request)
@@ -170,6 +184,10 @@ class LiveRequests:
             if (other := self._idle.pop(context, None)) is not None:
                 replaced.append(other)
             self._idle[context] = request_id
+            adapter, token_ids = context
+            self._hold(request_id, (adapter, token_ids[:-1]), context)
+        if self.forks is not None:
+            self.forks.forget(request_ids)
         self._end(replaced)
         # Idle, they are the engine core's alone: the output processor, which the next input
         # registers again, would count them unfinished (and `LLM.generate` would wait).
@@ -179,7 +197,14 @@ class LiveRequests:
         """These requests were aborted (failed or cancelled): no longer live."""
         for request_id in request_ids:
             self._busy.pop(request_id, None)
-            self._sent.pop(request_id, None)
+        self._drop(request_ids)
+
+    def stop_forks(self) -> None:
+        """Copy no partial block from now on: new requests recompute the tokens after their
+        prefix-cache hit."""
+        if self.forks is not None:
+            self.forks.remove()
+            self.forks = None
 
     def make_room(self, live: list[tuple[list[int], Any]], others: int, running: int) -> None:
         """End idle requests, least recently used first, so that the requests about to enter
@@ -215,10 +240,31 @@ class LiveRequests:
         ended = list(itertools.islice((c for c in self._idle if c not in spare), max(count, 0)))
         self._end([self._idle.pop(context) for context in ended])
 
-    def _end(self, request_ids: list[str]) -> None:
-        """End idle requests (in the engine core: the output processor no longer has them)."""
+    def _hold(self, request_id: str, *contexts: Context) -> None:
+        """`request_id` holds the key/values of `contexts` (it keeps its latest two)."""
+        held = self._held.setdefault(request_id, [])
+        for context in contexts:
+            self._holders[context] = request_id
+            if context not in held:
+                held.append(context)
+        for context in held[:-2]:
+            if self._holders.get(context) == request_id:
+                del self._holders[context]
+        del held[:-2]
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Forget what these requests were sent and hold (they ended or are ending)."""
         for request_id in request_ids:
             self._sent.pop(request_id, None)
+            for context in self._held.pop(request_id, ()):
+                if self._holders.get(context) == request_id:
+                    del self._holders[context]
+        if self.forks is not None:
+            self.forks.forget(request_ids)
+
+    def _end(self, request_ids: list[str]) -> None:
+        """End idle requests (in the engine core: the output processor no longer has them)."""
+        self._drop(request_ids)
         if request_ids:
             self._engine.engine_core.abort_requests(request_ids)
 
@@ -285,6 +331,8 @@ _MARGIN = 0.5
 # after the sampled one.
 _BOUNDARY_TOKENS = 90
 _AFTER = 5
+# The tokens the fork probe's three children end in.
+_FORK_TOKENS = (4, 5, 6)
 
 
 class Rows(Protocol):
@@ -368,6 +416,46 @@ def check_boundary_rows(rows: Rows, release: Callable[[], None], block_size: int
     right, wrong = rows([through, [*context, fed, _AFTER]], reads_prefix_cache=False)
     release()
     return _judge(cached, right, [wrong], through, "a request after a resumed block boundary")
+
+
+def check_forked_rows(
+    rows: Rows, release: Callable[[], None], block_size: int, forks: PartialBlockForks
+) -> str | None:
+    """Check that requests which copy a live request's partial block (`forks`) give the rows
+    fresh requests give.
+
+    A context of one and a half blocks is queried; then three children of it in one batch,
+    as after resampling: the first resumes the context's request, the other two copy its
+    partial block. Each copying child's row must be nearer (by `_MARGIN`) the row of a request
+    that reads no prefix cache than that of the child without the partial block's tokens,
+    which is about what a block copied wrong, or not at all, would give.
+
+    Args:
+        rows: The rows of a batch of contexts.
+        release: Ends every idle live request.
+        block_size: Tokens per key/value block of the engine.
+        forks: The engine's `PartialBlockForks`.
+
+    Returns:
+        `None` if the rows agree, else what disagreed (also if no request copied a block).
+    """
+    context = [(11 * i) % _BOUNDARY_TOKENS + 10 for i in range(block_size + block_size // 2)]
+    children = [[*context, token] for token in _FORK_TOKENS]
+    release()
+    rows([context])
+    before = forks.forked
+    forked = rows(children)[1:]
+    copied = forks.forked - before
+    release()
+    right = rows(children[1:], reads_prefix_cache=False)
+    wrong = rows([[*context[:block_size], token] for token in _FORK_TOKENS[1:]])
+    release()
+    if copied != len(forked):
+        return f"{copied} of {len(forked)} requests that could copy a partial block did"
+    for child, row, fresh, unfilled in zip(children[1:], forked, right, wrong, strict=True):
+        if (disagreement := _judge(row, fresh, [unfilled], child, "a forked request")) is not None:
+            return disagreement
+    return None
 
 
 def _judge(

@@ -16,7 +16,8 @@ from genlm.backend.cache import OutputCache
 from genlm.backend.llm.rows import fit_width
 from genlm.backend.llm.vllm.adapters import EngineAdapters
 from genlm.backend.llm.vllm.capture import InProcessLogits, WorkerLogits, hook_error
-from genlm.backend.llm.vllm.engine_loop import EngineLoop, then
+from genlm.backend.llm.vllm.engine_loop import EngineLoop
+from genlm.backend.llm.vllm.futures import then
 from genlm.backend.llm.vllm.request_plan import (
     SampleRequest,
     captured_request,

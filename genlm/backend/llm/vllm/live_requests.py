@@ -166,6 +166,8 @@ class LiveRequests:
         except BaseException:
             if request_id in self._sent:  # an idle request, perhaps half-updated: end it
                 self._end([request_id])
+            elif self.forks is not None:  # a new request that did not enter
+                self.forks.forget([request_id])
             raise
         self._sent[request_id] = request
         self._busy[request_id] = (adapter, tuple(token_ids))

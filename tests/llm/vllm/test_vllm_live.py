@@ -145,6 +145,22 @@ async def test_a_copy_is_refused_when_its_source_has_ended_in_the_engine(
     assert list(scheduled[-1].values()) == [len(child) - BLOCK]  # recomputed after the block
 
 
+async def test_what_a_request_holds_is_remembered_for_its_last_two_contexts_only(
+    live_lm, scheduled
+):
+    live = live_lm._engine._live
+    contexts = [context(8, 40)]
+    for token in range(20, 30):  # a particle's ten steps
+        contexts.append([*contexts[-1], token])
+    for ids in contexts:
+        await ask(live_lm, [ids])
+    (request_id,) = live._idle.values()
+    assert sorted(len(ids) for _, ids in live._held[request_id]) == [49, 50]
+    assert len(live._holders) == 2
+    live_lm.clear_cache()
+    assert not live._holders and not live._held
+
+
 async def test_clear_cache_ends_the_idle_requests(live_lm, scheduled):
     await ask(live_lm, [context(3, 20), context(4, 20)])
     engine, scheduler = live_lm.llm_engine.llm_engine, live_lm._engine._live._scheduler

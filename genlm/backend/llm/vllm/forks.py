@@ -103,6 +103,8 @@ class PartialBlockForks:
         index, within = divmod(taken, self._block_size)
         if source is None or within == 0 or hit != taken - within:
             return None
+        if getattr(request, "skip_reading_prefix_cache", False):  # it takes nothing computed
+            return None
         if source.num_computed_tokens < taken or _adapter(source) != _adapter(request):
             return None
         if source.all_token_ids[:taken] != request.all_token_ids[:taken]:

@@ -84,6 +84,13 @@ async def ask(lm, contexts):
     return await asyncio.wait_for(asyncio.gather(*calls), HANG_SECONDS)
 
 
+def engine_of_its_own(path, vllm_engine_opts, **opts):
+    """A backend on the tiny Llama with an engine of its own (for tests that break the engine
+    before it starts), the engine options `opts` added."""
+    base = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
+    return AsyncVirtualLM.from_name(str(path), engine_opts=vllm_engine_opts(base | opts))
+
+
 def assert_rows(rows, contexts, reference):
     for row, ids in zip(rows, contexts, strict=True):
         torch.testing.assert_close(row.cpu(), reference(ids), atol=TOLERANCE, rtol=0)
@@ -435,9 +442,7 @@ async def test_an_engine_that_caches_a_resumed_block_under_a_stale_hash_gets_no_
 
     keep_stale_hashes(monkeypatch, Scheduler)
     monkeypatch.setattr(LiveRequests, "_drop_unkept_hashes", lambda self, request_id: None)
-    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
-    opts["block_size"] = BLOCK
-    lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
+    lm = engine_of_its_own(tiny_llama_path, vllm_engine_opts, block_size=BLOCK)
     try:
         assert "live requests are off" in caplog.text
         assert "after a resumed block boundary" in caplog.text
@@ -460,8 +465,7 @@ async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
         return submit(self, request)
 
     monkeypatch.setattr(LiveRequests, "_submit", feeds_the_wrong_token)
-    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
-    lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
+    lm = engine_of_its_own(tiny_llama_path, vllm_engine_opts)
     try:
         assert "live requests are off" in caplog.text
         assert not lm._engine.keeps_live
@@ -481,9 +485,7 @@ async def test_an_engine_whose_block_copies_are_lost_gets_no_copies(
 
     # The worker skips vLLM's copy-on-write: a copying request would read an empty block.
     monkeypatch.setattr(runner, "copy_kv_cache_blocks_inplace", lambda *args: None)
-    opts = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
-    opts["block_size"] = BLOCK
-    lm = AsyncVirtualLM.from_name(str(tiny_llama_path), engine_opts=vllm_engine_opts(opts))
+    lm = engine_of_its_own(tiny_llama_path, vllm_engine_opts, block_size=BLOCK)
     try:
         assert "do not copy live requests' partial key/value blocks" in caplog.text
         assert "a forked request" in caplog.text

@@ -37,7 +37,8 @@ import asyncio
 import gc
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -557,12 +558,11 @@ class AsyncVirtualLM(AsyncLM):
         disagreement = check_resumed_rows(rows, release, block_size if fits else None)
         self.cache.clear()
         if disagreement is not None:
-            logger.warning(
-                "genlm-backend: live requests are off for this engine (every query starts a "
-                "request of its own): %s",
+            _turn_off(
+                self._engine.stop_live,
+                "live requests are off for this engine (every query starts a request of its own)",
                 disagreement,
             )
-            self._engine.stop_live().result()
             return
         forks = self._engine.forks
         if forks is None:
@@ -574,12 +574,12 @@ class AsyncVirtualLM(AsyncLM):
         disagreement = check_forked_rows(rows, release, block_size, forks)
         self.cache.clear()
         if disagreement is not None:
-            logger.warning(
-                "genlm-backend: requests do not copy live requests' partial key/value blocks "
-                "on this engine (they recompute those tokens): %s",
+            _turn_off(
+                self._engine.stop_forks,
+                "requests do not copy live requests' partial key/value blocks on this engine "
+                "(they recompute those tokens)",
                 disagreement,
             )
-            self._engine.stop_forks().result()
 
     def _rows_device(self) -> torch.device:
         """The device of a row as the engine delivers it (in this process: its device; from
@@ -593,6 +593,12 @@ class AsyncVirtualLM(AsyncLM):
 
     async def _evaluate_samples(self, requests: list[SampleRequest]) -> list[list[int]]:
         return await asyncio.wrap_future(self._requests.samples(requests))
+
+
+def _turn_off(stop: Callable[[], Future], what: str, disagreement: str) -> None:
+    """Warn that a startup check disagreed (`what` is now so), then `stop` the feature and wait."""
+    logger.warning("genlm-backend: %s: %s", what, disagreement)
+    stop().result()
 
 
 def _discard_engine(llm: Any) -> None:

@@ -76,11 +76,11 @@ def main() -> None:
     import vllm
 
     from genlm.backend import assets
-    from genlm.backend.llm.vllm import AsyncVirtualLM, live_requests
+    from genlm.backend.llm.vllm import AsyncVirtualLM, live_checks, live_requests
 
     if args.no_trim:  # and the startup check's block boundary, which would turn them off
         live_requests.LiveRequests._drop_unkept_hashes = lambda self, request_id: None
-        live_requests.check_boundary_rows = lambda rows, release, block_size: None
+        live_checks.check_boundary_rows = lambda rows, release, block_size: None
     path = str(assets.smollm2(fetch=False))
     opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "seed": 0}
     lm = AsyncVirtualLM.from_name(path, engine_opts=opts)

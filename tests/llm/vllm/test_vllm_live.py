@@ -2,6 +2,9 @@
 work, the rows stay those of transformers' uncached passes, and idle requests give up their
 engine slots and key/value blocks when other requests need them (nothing hangs).
 
+On the CPU build the live requests are fed at the scheduler (`FedRequests`); on CUDA, where vLLM
+runs its V2 model runner, they are resumable requests (`LiveRequests`). The tests are the same.
+
 One engine on the tiny random Llama serves the module, with room for 4 requests and (on the
 CPU build) a key/value cache of 12 blocks of 32 tokens, so that a few idle requests fill it.
 """
@@ -108,6 +111,31 @@ async def test_a_context_extended_by_one_token_costs_one_token(
     assert work == [70, 1, 1, 1]
     requests = {request_id for step in scheduled for request_id in step}
     assert len(requests) == 1  # one request, fed a token three times
+
+
+async def test_particles_are_fed_at_the_scheduler_with_no_request_object_per_step(
+    live_lm, tiny_llama_reference, scheduled, monkeypatch
+):
+    from genlm.backend.llm.vllm.live_requests import FedRequests
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA vLLM runs its V2 model runner: live requests are resumable there")
+    assert isinstance(live_lm._engine._live, FedRequests)
+    engine = live_lm._engine._engine
+    entered, registered = [], []
+    add, register = engine.engine_core.add_request, engine.output_processor.add_request
+    monkeypatch.setattr(engine.engine_core, "add_request", lambda r: entered.append(r) or add(r))
+    monkeypatch.setattr(
+        engine.output_processor, "add_request", lambda *a: registered.append(a) or register(*a)
+    )
+    particles = [context(seed, 20 + i) for i, seed in enumerate((80, 81, 82))]
+    for step in range(4):
+        assert_rows(await ask(live_lm, particles), particles, tiny_llama_reference)
+        particles = [[*ids, 100 + 7 * step + i] for i, ids in enumerate(particles)]
+    assert len(entered) == 3 and not registered  # one request per particle, for all its steps
+    assert [sum(step.values()) for step in scheduled[-3:]] == [3, 3, 3]
+    # Idle between queries, the requests are out of the scheduler's running list.
+    assert not live_lm._engine._live._scheduler.running
 
 
 async def test_particles_that_extend_one_context_are_each_answered(
@@ -235,6 +263,28 @@ async def test_idle_requests_end_when_their_blocks_are_needed(
     assert live_lm._engine._live.idle == 2  # one ended; the newcomer's waits
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a 12-block cache: CPU build only")
+async def test_a_busy_request_the_engine_preempts_recomputes_its_context(
+    live_lm, tiny_llama_reference, scheduled, monkeypatch
+):
+    from genlm.backend.llm.vllm import live_requests
+
+    # Three particles of 95 tokens (three blocks each, with the null block 10 of 12 in use)
+    # and an idle request that holds the last two: no idle request ends under pressure, so
+    # when the particles' 97th tokens need a fourth block each, the engine preempts one of
+    # them (it frees its blocks for the others) and computes it again later.
+    monkeypatch.setattr(live_requests, "PRESSURE", 2.0)
+    await ask(live_lm, [context(59, 40)])
+    particles = [context(56 + i, 95) for i in range(3)]
+    assert_rows(await ask(live_lm, particles), particles, tiny_llama_reference)
+    before = len(scheduled)
+    for token in (7, 8):
+        particles = [[*ids, token] for ids in particles]
+        assert_rows(await ask(live_lm, particles), particles, tiny_llama_reference)
+    work = sorted(n for step in scheduled[before:] for n in step.values())
+    assert work[:5] == [1] * 5 and work[5] >= 97 - 2 * BLOCK  # one particle computed again
+
+
 class _KeptHashes(list):
     """A request's block hashes from which `del` takes nothing."""
 
@@ -337,9 +387,12 @@ def test_live_requests_under_asynchronous_scheduling_only_where_a_stop_resets_th
     engine = SimpleNamespace(
         engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)),
         vllm_config=SimpleNamespace(
-            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling)
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+            speculative_config=None,
+            parallel_config=SimpleNamespace(pipeline_parallel_size=1),
         ),
         get_supported_tasks=lambda: ("generate",),
+        collective_rpc=lambda function: [False],  # a model runner that cannot be fed
     )
     assert (live_requests(engine) is not None) is keeps_live
 
@@ -392,7 +445,7 @@ class FakeLiveEngine:
     ids=["right", "noisy", "stale", "doubled", "other-token", "zeros"],
 )
 def test_the_startup_check_tells_wrong_resumed_rows_from_noisy_ones(fault, agrees):
-    from genlm.backend.llm.vllm.live_requests import check_resumed_rows
+    from genlm.backend.llm.vllm.live_checks import check_resumed_rows
 
     engine = FakeLiveEngine(fault)
     disagreement = check_resumed_rows(engine.rows, engine.release, block_size=None)
@@ -424,7 +477,7 @@ class FakeBlockCache(FakeLiveEngine):
 
 @pytest.mark.parametrize("stale", [False, True])
 def test_the_startup_check_tells_a_stale_block_hash(stale):
-    from genlm.backend.llm.vllm.live_requests import check_resumed_rows
+    from genlm.backend.llm.vllm.live_checks import check_resumed_rows
 
     engine = FakeBlockCache(block_size=16, stale=stale)
     disagreement = check_resumed_rows(engine.rows, engine.release, block_size=16)
@@ -454,17 +507,22 @@ async def test_an_engine_that_caches_a_resumed_block_under_a_stale_hash_gets_no_
 async def test_an_engine_whose_resumed_rows_are_wrong_gets_no_live_requests(
     tiny_llama_path, vllm_engine_opts, tiny_llama_reference, monkeypatch, caplog
 ):
+    from genlm.backend.llm.vllm.fed_inputs import FedInputsHook
     from genlm.backend.llm.vllm.live_requests import LiveRequests
 
-    submit = LiveRequests._submit
+    submit, write = LiveRequests._submit, FedInputsHook._write
 
-    def feeds_the_wrong_token(self, request):
+    def resumes_with_the_wrong_token(self, request):
         if len(request.prompt_token_ids) == 1:  # a resumed request's input: break it
             request = copy.copy(request)
             request.prompt_token_ids = [request.prompt_token_ids[0] + 1]
         return submit(self, request)
 
-    monkeypatch.setattr(LiveRequests, "_submit", feeds_the_wrong_token)
+    def feeds_the_wrong_token(self, fed):  # the model runner's copy of a fed token: break it
+        write(self, {rid: (token + 1, extra) for rid, (token, extra) in fed.items()})
+
+    monkeypatch.setattr(LiveRequests, "_submit", resumes_with_the_wrong_token)
+    monkeypatch.setattr(FedInputsHook, "_write", feeds_the_wrong_token)
     lm = engine_of_its_own(tiny_llama_path, vllm_engine_opts)
     try:
         assert "live requests are off" in caplog.text

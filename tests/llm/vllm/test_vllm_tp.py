@@ -125,6 +125,26 @@ async def test_resampled_particles_copy_the_partial_block_in_both_workers(
         torch.testing.assert_close(row, tiny_llama_reference(child), atol=ATOL, rtol=0)
 
 
+async def test_particles_are_fed_their_tokens_in_both_workers(
+    tp_lm, tiny_llama_reference, monkeypatch
+):
+    from genlm.backend.llm.vllm.live_requests import FedRequests
+
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA vLLM runs its V2 model runner: live requests are resumable there")
+    assert isinstance(tp_lm._engine._live, FedRequests)  # every worker's runner took the hook
+    core = tp_lm._engine._engine.engine_core
+    entered, add = [], core.add_request
+    monkeypatch.setattr(core, "add_request", lambda r: entered.append(r) or add(r))
+    particles = [list(range(760, 790)), list(range(800, 845))]  # contexts no other test asks
+    for step in range(3):
+        rows = await asyncio.gather(*(tp_lm.next_token_logprobs(ids) for ids in particles))
+        for ids, row in zip(particles, rows, strict=True):
+            torch.testing.assert_close(row, tiny_llama_reference(ids), atol=ATOL, rtol=0)
+        particles = [[*ids, 20 + step + i] for i, ids in enumerate(particles)]
+    assert len(entered) == 2  # each particle's request entered once, then was fed twice
+
+
 async def test_all_prefixes_are_one_request_read_through_the_workers(
     tp_lm, tiny_llama_reference, rounds
 ):

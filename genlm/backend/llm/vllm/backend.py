@@ -65,7 +65,7 @@ from genlm.backend.llm.vllm.capture import (
 from genlm.backend.llm.vllm.engine_loop import close_engine_loop, engine_loop
 from genlm.backend.llm.vllm.engine_options import engine_options, use_v1_runner_from_now
 from genlm.backend.llm.vllm.executor import shutdown_engine
-from genlm.backend.llm.vllm.live_requests import check_forked_rows, check_resumed_rows
+from genlm.backend.llm.vllm.live_checks import check_forked_rows, check_resumed_rows
 from genlm.backend.llm.vllm.request_plan import SampleRequest, probe_request, raise_first_error
 from genlm.backend.llm.vllm.row_requests import RowRequests
 

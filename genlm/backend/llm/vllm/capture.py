@@ -241,7 +241,8 @@ class GlobalLogprobsCapture:
         rows: list[torch.Tensor | None] = [None] * len(found)
         for step, positions, indices in by_step.values():
             if compact and len(indices) < step.shape[0]:
-                step = step.index_select(0, torch.tensor(indices, device=step.device))
+                index = torch.tensor(indices, pin_memory=step.is_cuda)  # copied without a wait
+                step = step.index_select(0, index.to(step.device, non_blocking=True))
                 indices = range(len(indices))
             views = step.unbind(0)
             for position, index in zip(positions, indices, strict=True):
@@ -381,7 +382,9 @@ class PromptRowsHook:
     def __call__(self, hidden_states: torch.Tensor, num_scheduled_tokens: dict[str, int]) -> Any:
         positions, tags = self._rows_asked(num_scheduled_tokens)
         if positions:
-            index = torch.tensor(positions, device=hidden_states.device)
+            # From pinned memory without waiting: a pageable copy to a GPU syncs the host.
+            index = torch.tensor(positions, pin_memory=hidden_states.is_cuda)
+            index = index.to(hidden_states.device, non_blocking=True)
             # Outside inference mode: the rows reach callers, who may change them in place.
             with torch.inference_mode(False), torch.no_grad():
                 logits = self.logits(hidden_states.index_select(0, index))

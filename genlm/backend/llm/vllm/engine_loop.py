@@ -40,7 +40,9 @@ class EngineRequest(NamedTuple):
 
     Attributes:
         prompt: The prompt, as an engine input (`vllm.inputs.engine.tokens_input(ids)`).
-        params: Its `vllm.SamplingParams` (with `output_kind=FINAL_ONLY`).
+        params: Its `vllm.SamplingParams` (with `output_kind=FINAL_ONLY`); for a `live`
+            request they may also be deferred: a function that makes them, with their
+            `extra_args` as an attribute (`request_plan.DeferredParams`).
         lora: Its `LoRARequest`, or `None` for the base model.
         check: Called on the engine thread just before the request enters the
             engine; an exception it returns becomes the request's outcome in
@@ -88,6 +90,7 @@ _IDLE_WAKE_SECONDS = 1.0
 _PROBE_STEPS = 4
 # How long the death of a worker may take to be reported as an exit status.
 _EXIT_STATUS_SECONDS = 1.0
+_ENDED = "the vLLM engine ended a live request before it computed the query's row"
 _REMEDY = (
     "Every call on this engine now fails: call cleanup() and create a new backend "
     "(e.g. with load_model_by_name or AsyncVirtualLM.from_name)"
@@ -276,8 +279,7 @@ class EngineLoop:
 
         def stop() -> None:
             if self._live is not None:
-                self._live.stop_forks()
-                self._live.release()
+                self._live.close()
                 self._live = None
 
         return self.call(stop)
@@ -471,8 +473,9 @@ class EngineLoop:
                 request_id = self._live.add(ids, request.params, request.lora)
             else:
                 request_id = f"genlm-{next(self._ids)}"
+                params = request.params() if callable(request.params) else request.params
                 self._engine.add_request(
-                    request_id, request.prompt, request.params, lora_request=request.lora
+                    request_id, request.prompt, params, lora_request=request.lora
                 )
         except BaseException as exc:  # the group's caller gets it
             if self._is_fatal(exc):
@@ -504,9 +507,14 @@ class EngineLoop:
             done.append(output)
         if parked:  # together, and before their callers hear: an answered request is idle
             self._live.park(parked)
-        for output in done:
-            group, position = self._running.pop(output.request_id)
-            self._record(group, position, output)
+        outcomes = [(output.request_id, output) for output in done]
+        if self._live is not None:  # live requests that have no engine output (`FedRequests`)
+            computed, ended = self._live.completed()
+            outcomes += [(request_id, None) for request_id in computed]
+            outcomes += [(request_id, RuntimeError(_ENDED)) for request_id in ended]
+        for request_id, outcome in outcomes:
+            group, position = self._running.pop(request_id)
+            self._record(group, position, outcome)
 
     def _after_failed_step(self, exc: BaseException) -> None:
         """The step raised `exc`: fail its groups with it, or, if the engine died, everyone.

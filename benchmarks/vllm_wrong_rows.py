@@ -85,7 +85,9 @@ def main() -> None:
     opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "seed": 0}
     lm = AsyncVirtualLM.from_name(path, engine_opts=opts)
     try:
-        live = lm._engine.keeps_live
+        live = "off" if lm._engine._live is None else "on"
+        if isinstance(lm._engine._live, live_requests.FedRequests):
+            live = "fed at the scheduler"
         messages = [{"role": "user", "content": PROMPT}]
         prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
@@ -101,7 +103,7 @@ def main() -> None:
     wrong = [c for c, error in errors.items() if error > TOLERANCE]
     total, bad = sum(asked.values()), sum(asked[c] for c in wrong)
     print(
-        f"vllm {vllm.__version__}, live requests {'on' if live else 'off'}, trim "
+        f"vllm {vllm.__version__}, live requests {live}, trim "
         f"{'off' if args.no_trim else 'on'}, partial blocks copied {copies}: prompt "
         f"{len(prompt)} tokens, {args.particles} particles x {args.steps} steps "
         f"({smc_seconds:.1f} s): {bad} of {total} rows wrong "

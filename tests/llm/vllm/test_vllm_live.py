@@ -138,6 +138,19 @@ async def test_particles_are_fed_at_the_scheduler_with_no_request_object_per_ste
     assert not live_lm._engine._live._scheduler.running
 
 
+async def test_a_sample_beside_fed_particles_gets_its_own_tokens(live_lm, tiny_llama_reference):
+    prompt = context(75, 20)
+    greedy = list(prompt)
+    for _ in range(6):
+        greedy.append(int(tiny_llama_reference(greedy).argmax()))
+    sampling = asyncio.create_task(live_lm.sample(prompt, 6, [], temperature=1e-4, seed=0))
+    particles = [context(76 + i, 20) for i in range(2)]
+    for step in range(3):  # the particles' steps share engine steps with the sample's
+        assert_rows(await ask(live_lm, particles), particles, tiny_llama_reference)
+        particles = [[*ids, 30 + step] for ids in particles]
+    assert await asyncio.wait_for(sampling, HANG_SECONDS) == greedy[len(prompt) :]
+
+
 async def test_particles_that_extend_one_context_are_each_answered(
     live_lm, tiny_llama_reference, scheduled
 ):

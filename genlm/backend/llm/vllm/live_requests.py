@@ -395,11 +395,7 @@ class FedRequests(LiveRequests):
                 (ended if request.is_finished() else parked).append(request_id)
             elif request.is_finished():
                 ended.append(request_id)
-        for request_id in ended:
-            del self._inputs[request_id]
-            self._busy.pop(request_id, None)
-            self._unsent.pop(request_id, None)
-        self._drop(ended)
+        self.forget(ended)  # the engine's abort passes over requests it has finished
         self.park(parked)
         return done, [request_id for request_id in ended if request_id not in done]
 

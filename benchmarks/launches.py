@@ -25,9 +25,9 @@ def count(run: Any, *args: Any, **kwargs: Any) -> tuple[tuple, workload.OpCounte
 
 def run(args: argparse.Namespace) -> None:
     """Count every workload and its floor."""
-    from genlm.backend import assets, cache
+    from genlm.backend import assets, row_pool
 
-    cache._MEMMOVE_DTYPES = frozenset()  # the output cache's copies through torch: counted
+    row_pool._MEMMOVE_DTYPES = frozenset()  # the output cache's copies through torch: counted
     model, lm = workload.transformer(assets.smollm2(fetch=False), threads=1)
     n, steps = args.n, args.steps
     base = workload.make_trace(n, steps, len(lm.tokenizer))

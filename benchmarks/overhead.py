@@ -6,6 +6,7 @@ step and the floor lacks, timed alone (`contract_costs`)."""
 import argparse
 import asyncio
 import resource
+import sys
 import time
 from functools import partial
 from statistics import mean
@@ -78,6 +79,30 @@ def contract_costs(n: int, vocab: int, rounds: int = 200) -> dict[str, float]:
     return {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
 
 
+def cache_store_costs(n: int, vocab: int, steps: int = 64, pause: float = 0.01) -> dict:
+    """Ms of storing a step's N rows (separate float32 rows, as the vLLM backend's) in a new
+    output cache of the default budget: the mean while it fills, with `pause` s between steps
+    as an engine's step leaves (in which the pages of the next rows are faulted in, see
+    `genlm.backend.row_pool`), and the median of `steps` steps once it is full and evicts."""
+    from genlm.backend.cache import OutputCache
+    from genlm.backend.llm.base import DEFAULT_OUTPUT_CACHE_BYTES
+
+    rows = list(torch.randn(n, vocab))
+    cache = OutputCache(sys.maxsize, max_bytes=DEFAULT_OUTPUT_CACHE_BYTES)
+    capacity = DEFAULT_OUTPUT_CACHE_BYTES // rows[0].nbytes
+    filling: list[float] = []
+    full: list[float] = []
+    step = 0
+    while len(full) < steps:
+        start = time.perf_counter()
+        cache.store_rows([(step, i) for i in range(n)], rows)
+        (filling if (step + 1) * n <= capacity else full).append(time.perf_counter() - start)
+        step += 1
+        time.sleep(pause)
+    filling_ms, full_ms = 1e3 * mean(filling), 1e3 * median(full)
+    return {"cache store filling, mean": filling_ms, "cache store full": full_ms}
+
+
 def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int) -> tuple:
     """The defaults' and the floor's wall ms per step (medians), and the figure's notes (the
     means' difference too: the median step leaves out the resampling steps)."""
@@ -115,6 +140,7 @@ def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repe
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
     contract = contract_costs(n, lm.vocab_size)
     notes |= {f"contract: {name}": value for name, value in contract.items()}
+    notes |= cache_store_costs(n, lm.vocab_size)
     notes["over floor + contract"] = ours[0] - floor[0] - sum(contract.values())
     return ours[0], floor[0], notes
 

@@ -205,6 +205,7 @@ def test_stored_rows_reuse_the_memory_of_evicted_ones():
         assert torch.equal(cache[(step, i)], tensor(step * 10 + i))
     cache[(7,)] = torch.zeros(5)  # another shape has its own rows
     assert torch.equal(cache[(7,)], torch.zeros(5)) and len(cache) == 8
+
     def memory() -> dict:
         return {key: (p.rows.data_ptr(), p.rows.shape[0]) for key, p in cache._pools.items()}
 

@@ -10,42 +10,57 @@ import pytest
 import torch
 
 from genlm.backend.cache import OutputCache
+from genlm.backend.row_pool import _prefaulter
 
-ROW = 1 << 18  # floats: 1 MiB a row, so that a pool is mapped anew (not reused heap memory)
+PAGE = mmap.PAGESIZE
 
 
-def resident_rows(rows: torch.Tensor, start: int, stop: int) -> list[bool]:
-    """Whether every page of each of `rows[start:stop]` is in memory (Linux's `mincore`)."""
+def resident_pages(address: int, nbytes: int) -> list[bool]:
+    """Whether each page of `nbytes` from page-aligned `address` is in memory (`mincore`)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    row_bytes, page = rows[0].numel() * rows.element_size(), mmap.PAGESIZE
-    found = []
-    for row in range(start, stop):
-        first = rows.data_ptr() + row * row_bytes
-        aligned = first - first % page
-        pages = -(-(first + row_bytes - aligned) // page)
-        vector = ctypes.create_string_buffer(pages)
-        assert libc.mincore(aligned, first + row_bytes - aligned, vector) == 0, ctypes.get_errno()
-        found.append(all(byte & 1 for byte in vector.raw))
-    return found
+    vector = ctypes.create_string_buffer(-(-nbytes // PAGE))
+    assert libc.mincore(address, nbytes, vector) == 0, ctypes.get_errno()
+    return [bool(byte & 1) for byte in vector.raw]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="pages are faulted in ahead on Linux only")
-def test_the_next_rows_are_in_memory_before_they_are_stored_and_the_rest_is_not():
+def test_the_prefaulter_brings_in_the_pages_asked_for_and_leaves_their_contents_alone():
+    # Fresh anonymous memory: no page is in memory before it is written or asked for.
+    region = mmap.mmap(-1, 64 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = torch.frombuffer(region, dtype=torch.uint8)
+    address = memory.data_ptr()
+    assert not any(resident_pages(address, 64 * PAGE))
+    memory[16 * PAGE : 16 * PAGE + 10] = 7  # a page written before its range is asked for
+    _prefaulter.ask(memory, 16 * PAGE + 100, 16 * PAGE)  # from inside page 16 to inside page 32
+    deadline = time.monotonic() + 10
+    while not all(resident_pages(address + 16 * PAGE, 17 * PAGE)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    resident = resident_pages(address, 64 * PAGE)
+    assert resident[16:33] == [True] * 17
+    assert not any(resident[:16]) and not any(resident[33:])
+    assert memory[16 * PAGE : 16 * PAGE + 10].tolist() == [7] * 10
+    assert not memory[16 * PAGE + 10 : 33 * PAGE].any()
+    del memory
+
+
+def test_a_pool_asks_for_the_next_batches_rows_ahead_of_its_stores(monkeypatch):
+    asked = []
+    monkeypatch.setattr(_prefaulter, "ask", lambda rows, at, nbytes: asked.append((at, nbytes)))
     cache = OutputCache(maxsize=64)
     generator = torch.Generator().manual_seed(0)
-    batches = [torch.randn(4, ROW, generator=generator) for _ in range(3)]
-    cache.store_rows([(0, i) for i in range(4)], batches[0])
-    (pool,) = cache._pools.values()
-    assert pool.rows.shape[0] == 64  # the cache's bound, taken at once
-    deadline = time.monotonic() + 10
-    while not all(resident_rows(pool.rows, 4, 12)) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(resident_rows(pool.rows, 4, 12)), "the next two batches' rows were not faulted in"
-    assert not any(resident_rows(pool.rows, 32, 64)), "rows far ahead took memory"
-    for step, batch in enumerate(batches[1:], 1):
-        cache.store_rows([(step, i) for i in range(4)], batch)
+    batches = [torch.randn(4, 8, generator=generator) for _ in range(20)]
+    row_bytes = 8 * 4
     for step, batch in enumerate(batches):
+        cache.store_rows([(step, i) for i in range(4)], batch)
+        end = min(4 * (step + 1), 64)  # the rows stored so far, in order from the first slot
+        asked_to = max((at + nbytes) // row_bytes for at, nbytes in asked)
+        assert asked_to >= min(end + 8, 64), (step, asked)  # two more batches at least
+        assert asked_to <= end + 16  # four at most
+    spans = sorted((at // row_bytes, (at + nbytes) // row_bytes) for at, nbytes in asked)
+    assert spans[0][0] == 4 and spans[-1][1] == 64
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # each row once
+    for step, batch in enumerate(batches[-16:], 4):
         for i in range(4):
             assert torch.equal(cache[(step, i)], batch[i])
 

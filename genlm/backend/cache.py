@@ -68,6 +68,8 @@ class OutputCache:
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         """Return the entry for `key` (marking it recently used), or `None`."""
+        if key not in self._entries:  # a miss needs no lock (a lookup is atomic)
+            return None
         with self._lock:  # the slot must not be reused while it is copied
             entry = self._entries.get(key)
             if entry is None:

@@ -12,11 +12,11 @@ def always(adapter):
     return True
 
 
-def random_queries(rng, count, adapters=(None,)):
+def random_queries(rng, count, adapters=(None,), lengths=(1, 6)):
     """Distinct (adapter, context) queries over a tiny alphabet, so that many are prefixes."""
     queries = set()
     while len(queries) < count:
-        length = rng.randint(1, 6)
+        length = rng.randint(*lengths)
         queries.add((rng.choice(adapters), tuple(rng.randint(0, 2) for _ in range(length))))
     return list(queries)
 
@@ -25,10 +25,11 @@ def extends(longer, shorter):
     return len(longer) > len(shorter) and longer[: len(shorter)] == shorter
 
 
+@pytest.mark.parametrize("lengths", [(1, 6), (5, 5)], ids=["mixed-lengths", "one-length"])
 @pytest.mark.parametrize("seed", range(20))
-def test_every_query_is_in_one_chain_of_prefixes_of_its_first(seed):
+def test_every_query_is_in_one_chain_of_prefixes_of_its_first(seed, lengths):
     rng = random.Random(seed)
-    queries = random_queries(rng, 40, adapters=(None, "a", "b"))
+    queries = random_queries(rng, 40, adapters=(None, "a", "b"), lengths=lengths)
     plan = plan_requests(queries, always)
     members = [i for chain in plan for i in chain.members]
     assert sorted(members) == list(range(len(queries)))

@@ -214,31 +214,37 @@ class _Prefaulter:
             self._madvise = libc.madvise
             self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self._asked: queue.SimpleQueue | None = None
+        self._starting = threading.Lock()
         os.register_at_fork(after_in_child=self._forget_thread)
 
     def ask(self, tensor: torch.Tensor, offset: int, nbytes: int) -> None:
         """Fault in `nbytes` of `tensor`'s memory from byte `offset` on, in the background."""
         if self._madvise is None or nbytes <= 0:
             return
-        if self._asked is None:
-            self._asked = queue.SimpleQueue()
-            threading.Thread(
-                target=self._serve, args=(self._asked,), name="genlm-prefault", daemon=True
-            ).start()
-        self._asked.put((tensor, offset, nbytes))
+        with self._starting:
+            if self._asked is None:
+                self._asked = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._serve, args=(self._asked,), name="genlm-prefault", daemon=True
+                ).start()
+            asked = self._asked
+        asked.put((tensor, offset, nbytes))
 
     def _serve(self, asked: queue.SimpleQueue) -> None:
-        while self._madvise is not None:
+        while True:
             tensor, offset, nbytes = asked.get()  # the tensor is held until its pages are in
-            address = tensor.data_ptr() + offset
-            start = address - address % mmap.PAGESIZE
-            if self._madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) != 0:
-                if ctypes.get_errno() == errno.EINVAL:  # a kernel without this advice
+            madvise = self._madvise
+            if madvise is not None:
+                address = tensor.data_ptr() + offset
+                start = address - address % mmap.PAGESIZE
+                refused = madvise(start, address + nbytes - start, _MADV_POPULATE_WRITE) != 0
+                if refused and ctypes.get_errno() == errno.EINVAL:  # a kernel without it
                     self._madvise = None
             del tensor
 
     def _forget_thread(self) -> None:
         self._asked = None  # a forked child has no thread: it starts its own
+        self._starting = threading.Lock()
 
 
 _prefaulter = _Prefaulter()

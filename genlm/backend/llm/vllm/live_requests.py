@@ -443,8 +443,11 @@ class FedRequests(LiveRequests):
         token = token_ids[-1]
         request._output_token_ids[-1] = token
         request._all_token_ids[-1] = token
-        self._drop_unkept_hashes(request_id)
-        request.update_block_hashes()
+        if request.num_tokens % self._hash_block_size == 0:
+            # The sampled token ended a hashed block: that hash goes, the fed token's comes.
+            # Otherwise no hash covers the last token, and no block is completed.
+            self._drop_unkept_hashes(request_id)
+            request.update_block_hashes()
         extra_args = params.extra_args
         request.sampling_params.extra_args = extra_args
         self._unsent[request_id] = (token, extra_args)

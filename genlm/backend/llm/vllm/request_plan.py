@@ -95,8 +95,6 @@ def plan_requests(
     Returns:
         The requests, every query in exactly one of them.
     """
-    if len({len(ids) for _, ids in queries}) <= 1:  # distinct contexts of one length: no chain
-        return [Chain([i]) for i in range(len(queries))]
     planned = []
     for members in _prefix_chains(queries):
         if not recompute or len(members) == 1:

@@ -75,3 +75,10 @@ def test_a_cpu_pool_holds_the_cache_bound_from_its_first_store_and_never_copies_
     assert pool.rows is rows and rows.shape[0] == 40 and len(cache) == 40
     for step, i in list(cache._entries):
         assert torch.equal(cache[(step, i)], torch.full((8,), float(step)))
+
+
+def test_a_cpu_pool_of_small_rows_without_a_bound_takes_a_bounded_number_of_slots():
+    cache = OutputCache(maxsize=sys.maxsize)  # no bound in bytes: 4-byte rows
+    cache.store_rows([(0,), (1,)], torch.zeros(2, 1))
+    (pool,) = cache._pools.values()
+    assert 2 <= pool.rows.shape[0] <= 1 << 16 and len(pool.free) == pool.rows.shape[0] - 2

@@ -1,7 +1,7 @@
 """Where `OutputCache` keeps its rows: `RowPool`, one growing tensor of slots per row shape.
 
 On the CPU a pool takes address space for as many rows as its cache may
-hold (up to `RESERVE_BYTES`) at once, and the operating system gives it
+hold (up to `RESERVE_BYTES` and 65,536 rows) at once, and the operating system gives it
 memory page by page as rows are first written. The first write of a page
 costs a page fault, about twice the copy itself: for a sampler's step of 32
 rows of a 32,000-token vocabulary, 2.3 ms into new memory against 0.8 ms
@@ -36,9 +36,11 @@ _LOOK_AHEAD = 4  # a batch of n rows looks for free slots among the next 4 n fro
 # floats: 0.80 against 0.70). With more threads torch's copy is parallel and faster:
 # 0.57 against numpy's 0.67-0.70 ms with two (into memory written before, either size).
 _MEMMOVE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})
-# Most address space a CPU pool takes at once; beyond it, it grows by doubling (a copy of
-# every row). Untouched, it costs no memory.
+# Most address space a CPU pool takes at once, and most slots (each an entry of its set of
+# free ones); beyond them, it grows by doubling (a copy of every row). Untouched, the
+# address space costs no memory.
 RESERVE_BYTES = 1 << 30
+_RESERVE_ROWS = 1 << 16
 # Rows beyond the last one stored whose pages are asked for ahead: this many batches of
 # the last batch's size (then again once fewer than half of them are left).
 _PREFAULT_BATCHES = 4
@@ -65,7 +67,8 @@ class RowPool:
     def __init__(self, like: torch.Tensor, capacity: int, limit: int):
         row_nbytes = like[0].numel() * like.element_size()
         if like.is_cpu:
-            capacity = max(capacity, min(limit, RESERVE_BYTES // max(row_nbytes, 1)))
+            reserve = min(limit, _RESERVE_ROWS, RESERVE_BYTES // max(row_nbytes, 1))
+            capacity = max(capacity, reserve)
         self.rows = like.new_empty((capacity, *like.shape[1:]))
         self.row_nbytes = row_nbytes
         self.free = set(range(capacity))

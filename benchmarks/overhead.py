@@ -5,6 +5,7 @@ step and the floor lacks, timed alone (`contract_costs`)."""
 
 import argparse
 import asyncio
+import functools
 import resource
 import sys
 import time
@@ -79,6 +80,7 @@ def contract_costs(n: int, vocab: int, rounds: int = 200) -> dict[str, float]:
     return {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
 
 
+@functools.cache  # one measurement per shape: the backends and models of a run share it
 def cache_store_costs(n: int, vocab: int, steps: int = 64, pause: float = 0.01) -> dict:
     """Ms of storing a step's N rows (separate float32 rows, as the vLLM backend's) in a new
     output cache of the default budget: the mean while it fills, with `pause` s between steps
@@ -140,7 +142,7 @@ def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repe
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
     contract = contract_costs(n, lm.vocab_size)
     notes |= {f"contract: {name}": value for name, value in contract.items()}
-    notes |= cache_store_costs(n, lm.vocab_size)
+    notes |= cache_store_costs(n, lm.vocab_size)  # copied in: the cached dict stays as it is
     notes["over floor + contract"] = ours[0] - floor[0] - sum(contract.values())
     return ours[0], floor[0], notes
 

@@ -22,6 +22,7 @@ from benchmarks.workload import ForwardTimer, OpCounter, median_of
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
 OPTIONS["threads"] = (1, "hf rows' torch threads (0: all)")
+OPTIONS["prompt"] = (workload.PROMPT_LENGTH, "prompt tokens")
 NAMES = {"llama": "tiny Llama", "gpt2": "tiny GPT-2", "hf": "transformers", "vllm": "vLLM"}
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0}
 
@@ -105,10 +106,14 @@ def cache_store_costs(n: int, vocab: int, steps: int = 64, pause: float = 0.01) 
     return {"cache store filling, mean": filling_ms, "cache store full": full_ms}
 
 
-def measure(lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int) -> tuple:
-    """The defaults' and the floor's wall ms per step (medians), and the figure's notes (the
-    means' difference too: the median step leaves out the resampling steps)."""
-    trace, default = workload.make_trace(n, steps, lm.vocab_size), lm.batch_size
+def measure(
+    lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int, prompt: int
+) -> tuple:
+    """The defaults' and the floor's wall ms per step (medians) from a `prompt`-token prompt, and
+    the figure's notes (the means' difference too: the median step leaves out the resampling
+    steps)."""
+    trace = workload.make_trace(n, steps, lm.vocab_size, prompt=prompt)
+    default = lm.batch_size
     settings = {"floor": None, "defaults": (default, True), "bs=N": (n, True)}
     if model is not None:  # what the output cache's private copies cost
         settings["cache off"] = (n, False)
@@ -175,9 +180,13 @@ def run(args: argparse.Namespace) -> None:
                 print(f"{arch} {backend}: skipped, the engine failed: {str(error).strip()}")
                 continue
             for n, steps in workload.parse_configs(args.configs):
-                ours, floor, notes = measure(lm, model, forward, n, steps, args.repeats)
+                figures = measure(lm, model, forward, n, steps, args.repeats, args.prompt)
+                ours, floor, notes = figures
                 label = f"{NAMES[backend]}, {NAMES[arch]}, N={n}" + f", T={steps}" * (steps != 32)
                 row_id = f"overhead/{arch}/{backend}/{n}x{steps}"
+                if args.prompt != workload.PROMPT_LENGTH:
+                    label += f", {args.prompt}-token prompt"
+                    row_id += f"/prompt{args.prompt}"
                 record(Figure(row_id, label, "+ms", ours, floor, target="≤ +0.5 ms", notes=notes))
             if backend == "vllm":
                 lm.cleanup()

@@ -48,10 +48,13 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return [(int(n), int(steps)) for n, steps in (pair.split("x") for pair in text.split(","))]
 
 
-def make_trace(n: int, steps: int, vocab: int, seed: int = 0, resample=RESAMPLE_EVERY) -> Trace:
-    """The seeded trace of N particles over T steps, resampled every `resample` (0: never)."""
+def make_trace(
+    n: int, steps: int, vocab: int, seed: int = 0, resample=RESAMPLE_EVERY, prompt=PROMPT_LENGTH
+) -> Trace:
+    """The seeded trace of N particles over T steps from a `prompt`-token prompt, resampled every
+    `resample` (0: never)."""
     draw = partial(torch.randint, generator=torch.Generator().manual_seed(seed))
-    prompt, tokens = draw(0, vocab, (PROMPT_LENGTH,)).tolist(), draw(0, vocab, (steps, n))
+    prompt, tokens = draw(0, vocab, (prompt,)).tolist(), draw(0, vocab, (steps, n))
     every = range(resample - 1, steps, resample) if resample else ()
     ancestors = {step: draw(0, n, (n,)).tolist() for step in every}
     picks = draw(0, steps * n, (CHECKED,)).tolist()
@@ -87,7 +90,7 @@ def run_reference(model: Any, trace: Trace, n: int, steps: int, clock=wall_clock
             index = torch.tensor(trace.ancestors[step], device=device)
             cache.reorder_cache(index)
             new = new[index]
-        positions = torch.full((n, 1), PROMPT_LENGTH + step, device=device)
+        positions = torch.full((n, 1), len(trace.prompt) + step, device=device)
         stamps.append(clock())
         out = model(new, position_ids=positions, past_key_values=cache, use_cache=True)
         keep_checked(kept, trace, step + 1, out.logits[:, -1].float().log_softmax(-1))
@@ -115,9 +118,9 @@ async def smc(lm, trace, n, steps, cache_kv=False, clock=wall_clock, critic=None
             sampled[tuple(context)] = row
         context.append(tokens[step][particle])
         if critic is not None:
-            score = await critic.score([vocab[token] for token in context[PROMPT_LENGTH:]])
+            score = await critic.score([vocab[token] for token in context[len(trace.prompt) :]])
             if step == steps - 1 and scores is not None:
-                scores.append((context[PROMPT_LENGTH:], float(score)))
+                scores.append((context[len(trace.prompt) :], float(score)))
 
     for step in range(steps):
         stamps.append(clock())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
@@ -247,6 +248,33 @@ def test_check_token_ids_accepts_flat_integer_sequences(token_ids):
 def test_check_token_ids_rejects_bad_contexts(token_ids, message):
     with pytest.raises(ValueError, match=message):
         check_token_ids(token_ids, vocab_size=10)
+
+
+@pytest.mark.parametrize("length", [5, 127, 128, 1000])
+def test_check_token_ids_checks_the_range_of_every_id_short_or_long(length):
+    # Long contexts take another path for the range (packed into an array): every position
+    # and both ends of the range, against the rule written out id by id.
+    rng = random.Random(length)
+    good = [rng.randrange(50) for _ in range(length)]
+    assert check_token_ids(good, vocab_size=50) == tuple(good)
+    for position in {0, length // 2, length - 1}:
+        for bad in (-1, 50, 2**32, 2**64):
+            ids = list(good)
+            ids[position] = bad
+            with pytest.raises(ValueError, match=rf"token_ids\[{position}\] = {bad} is outside"):
+                check_token_ids(ids, vocab_size=50)
+    assert check_token_ids([49] * length, vocab_size=50) == (49,) * length
+
+
+def test_checked_contexts_equal_and_hash_like_tuples_and_keep_their_prefix():
+    checked = check_token_ids([5, 6, 7], vocab_size=10)
+    assert checked == (5, 6, 7) and hash(checked) == hash((5, 6, 7))
+    assert {(None, (5, 6, 7)): "row"}[(None, checked)] == "row"
+    assert checked.prefix == (5, 6) and checked.prefix is checked.prefix
+    assert hash(checked.prefix) == hash((5, 6))
+    earlier = check_token_ids([5, 6], vocab_size=10)
+    checked.adopt_prefix(earlier)
+    assert checked.prefix is earlier
 
 
 def test_check_token_ids_rejects_contexts_longer_than_the_model_accepts():

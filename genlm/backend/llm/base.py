@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
 import hashlib
 import numbers
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 # `AsyncMlxLM`'s default, and what `from_name` of `AsyncVirtualLM` and `AsyncSGLTransformer`
 # give unless told otherwise.
 DEFAULT_OUTPUT_CACHE_BYTES = 256 * 1024**2
+# Contexts at least this long have their ids' range checked packed into an array (one C
+# pass, then numpy's max): 9.5 against 21 us for 430 ids, 26 against 97 us for 2,000;
+# Python's `min` and `max` are faster below about 100 ids.
+_PACKED_RANGE_CHECK = 128
 
 
 def with_default_output_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -100,9 +105,42 @@ def stack_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((len(rows), *first.shape), (row_numel, *first.stride()), 0)
 
 
+class TokenIds(tuple):
+    """A checked context: a tuple of token ids that hashes once.
+
+    A tuple's hash is recomputed at every dict lookup, in time linear in its
+    length; a context is looked up in several dicts per query (the output
+    cache, the batcher, vLLM's live requests), so this one keeps its hash,
+    and its `prefix` (all ids but the last), once made. It equals, and hashes
+    like, the plain tuple of its ids.
+    """
+
+    _hash: int | None = None
+    _prefix: TokenIds | None = None
+
+    def __hash__(self) -> int:
+        value = self._hash
+        if value is None:
+            value = self._hash = tuple.__hash__(self)
+        return value
+
+    @property
+    def prefix(self) -> TokenIds:
+        """The context less its last token id (made on first use, then kept)."""
+        prefix = self._prefix
+        if prefix is None:
+            prefix = self._prefix = TokenIds(self[:-1])
+        return prefix
+
+    def adopt_prefix(self, prefix: TokenIds) -> None:
+        """Keep `prefix`, which must equal this context less its last id, as `prefix`: where
+        the two meet as dict keys they are then compared by identity, not id by id."""
+        self._prefix = prefix
+
+
 def check_token_ids(
     token_ids: Sequence[int], vocab_size: int, max_length: int | None = None
-) -> tuple[int, ...]:
+) -> TokenIds:
     """Validate a context of token ids at the API boundary.
 
     Args:
@@ -111,7 +149,7 @@ def check_token_ids(
         max_length: Longest accepted context, if the model has one.
 
     Returns:
-        The ids as a tuple of Python ints.
+        The ids as a tuple of Python ints (a `TokenIds`).
 
     Raises:
         ValueError: If the context is empty, too long, not a flat sequence, or
@@ -128,7 +166,7 @@ def check_token_ids(
     ids = tuple(token_ids)
     # Plain ints in range (the usual case) pass in one sweep; anything else is looked at
     # one by one, to convert other integer types or to say which id is wrong.
-    if not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size):
+    if not (set(map(type, ids)) == {int} and _in_range(ids, vocab_size)):
         for position, token_id in enumerate(ids):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 raise ValueError(
@@ -143,7 +181,19 @@ def check_token_ids(
         ids = tuple(int(t) for t in ids)
     if max_length is not None and len(ids) > max_length:
         raise ValueError(f"token_ids has {len(ids)} tokens; the model accepts at most {max_length}")
-    return ids
+    return TokenIds(ids)
+
+
+def _in_range(ids: tuple[int, ...], vocab_size: int) -> bool:
+    """Whether all of `ids` (Python ints, in a plain tuple: `array` reads one of a subclass item
+    by item, 8 times slower) lie in `[0, vocab_size)`."""
+    if len(ids) < _PACKED_RANGE_CHECK:
+        return 0 <= min(ids) and max(ids) < vocab_size
+    try:
+        packed = array.array("I", ids)  # unsigned C ints: a negative id overflows
+    except OverflowError:
+        return False
+    return int(np.frombuffer(packed, dtype=packed.typecode).max()) < vocab_size
 
 
 AdapterT = TypeVar("AdapterT")

@@ -183,7 +183,7 @@ async def test_a_copy_is_refused_when_its_source_has_ended_in_the_engine(
     ancestor = context(7, 40)
     await ask(live_lm, [ancestor])
     await ask(live_lm, [[*ancestor, 21]])
-    (holder,) = live_lm._engine._live._idle.values()
+    ((holder, _),) = live_lm._engine._live._idle.values()  # (request id, context)
     # Ended inside the engine behind the backend's back: its blocks may hold anything now.
     live_lm._engine.call(
         live_lm.llm_engine.llm_engine.engine_core.abort_requests, [holder]
@@ -202,7 +202,7 @@ async def test_what_a_request_holds_is_remembered_for_its_last_two_contexts_only
         contexts.append([*contexts[-1], token])
     for ids in contexts:
         await ask(live_lm, [ids])
-    (request_id,) = live._idle.values()
+    ((request_id, _),) = live._idle.values()  # (request id, context)
     assert sorted(len(ids) for _, ids in live._held[request_id]) == [49, 50]
     assert len(live._holders) == 2
     live_lm.clear_cache()
@@ -224,7 +224,7 @@ async def test_an_idle_request_the_engine_ended_is_not_resumed(
 ):
     ancestor = context(5, 40)
     await ask(live_lm, [ancestor])
-    (idle,) = live_lm._engine._live._idle.values()
+    ((idle, _),) = live_lm._engine._live._idle.values()  # (request id, context)
     # Ended inside the engine behind the backend's back (its own bookkeeping still has it).
     live_lm._engine.call(live_lm.llm_engine.llm_engine.engine_core.abort_requests, [idle]).result()
     child = [*ancestor, 9]

@@ -47,6 +47,7 @@ from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import (
     AsyncLM,
+    TokenIds,
     check_sampling_args,
     check_token_ids,
     rows_through_cache,
@@ -546,7 +547,7 @@ class AsyncVirtualLM(AsyncLM):
             return
 
         def rows(contexts: list[list[int]], reads_prefix_cache: bool = True) -> list[torch.Tensor]:
-            queries = [(None, tuple(ids)) for ids in contexts]
+            queries = [(None, TokenIds(ids)) for ids in contexts]
             future = self._requests.logprobs(queries, reads_prefix_cache)
             return raise_first_error(future.result())
 
@@ -584,7 +585,7 @@ class AsyncVirtualLM(AsyncLM):
     def _rows_device(self) -> torch.device:
         """The device of a row as the engine delivers it (in this process: its device; from
         worker processes: wherever their replies land)."""
-        row = raise_first_error(self._requests.logprobs([(None, (0,))]).result())[0]
+        row = raise_first_error(self._requests.logprobs([(None, TokenIds((0,)))]).result())[0]
         self.clear_cache()
         return row.device
 

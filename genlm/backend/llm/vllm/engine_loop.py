@@ -30,7 +30,7 @@ from genlm.backend.llm.vllm.capture import reported_engine_death
 from genlm.backend.llm.vllm.executor import close_queues_when_collected, worker_processes
 from genlm.backend.llm.vllm.forks import PartialBlockForks
 from genlm.backend.llm.vllm.futures import answer_future, start_future
-from genlm.backend.llm.vllm.live_requests import ALL, chunk_done, live_requests
+from genlm.backend.llm.vllm.live_requests import ALL, chunk_done, engine_input, live_requests
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class EngineRequest(NamedTuple):
     """One request for the engine.
 
     Attributes:
-        prompt: The prompt, as an engine input (`vllm.inputs.engine.tokens_input(ids)`).
+        token_ids: The prompt's token ids (a live request's: a `TokenIds`).
         params: Its `vllm.SamplingParams` (with `output_kind=FINAL_ONLY`); for a `live`
             request they may also be deferred: a function that makes them, with their
             `extra_args` as an attribute (`request_plan.DeferredParams`).
@@ -53,7 +53,7 @@ class EngineRequest(NamedTuple):
             `live_requests`), where the engine supports it.
     """
 
-    prompt: Any
+    token_ids: Sequence[int]
     params: Any
     lora: Any
     check: Callable[[], BaseException | None] | None = None
@@ -448,7 +448,7 @@ class EngineLoop:
             return
         if self._live is not None:
             requests = [group.requests[position] for group, position in self._pending]
-            live = [(r.prompt["prompt_token_ids"], r.lora) for r in requests if r.live]
+            live = [(r.token_ids, r.lora) for r in requests if r.live]
             self._live.make_room(live, len(requests) - len(live), len(self._running))
         self._running_adapters = _uses_adapter(self._pending[0])
         later = deque()
@@ -469,14 +469,12 @@ class EngineLoop:
             return
         try:
             if request.live and self._live is not None:
-                ids = request.prompt["prompt_token_ids"]
-                request_id = self._live.add(ids, request.params, request.lora)
+                request_id = self._live.add(request.token_ids, request.params, request.lora)
             else:
                 request_id = f"genlm-{next(self._ids)}"
                 params = request.params() if callable(request.params) else request.params
-                self._engine.add_request(
-                    request_id, request.prompt, params, lora_request=request.lora
-                )
+                prompt = engine_input(request.token_ids)
+                self._engine.add_request(request_id, prompt, params, lora_request=request.lora)
         except BaseException as exc:  # the group's caller gets it
             if self._is_fatal(exc):
                 self._mark_dead(exc, "adding a request")
@@ -542,7 +540,8 @@ class EngineLoop:
                 self._live.forget(list(self._running))
                 self._live.release()
             self._running.clear()
-            self._engine.add_request(request_id, self._probe.prompt, self._probe.params)
+            prompt = engine_input(self._probe.token_ids)
+            self._engine.add_request(request_id, prompt, self._probe.params)
             for _ in range(_PROBE_STEPS):
                 outputs = self._engine.step()
                 if any(out.request_id == request_id and out.finished for out in outputs):

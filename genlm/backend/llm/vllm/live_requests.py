@@ -61,9 +61,10 @@ import copy
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
+from genlm.backend.llm.base import TokenIds
 from genlm.backend.llm.vllm.fed_inputs import FED_INPUTS, feeds_at_scheduler
 from genlm.backend.llm.vllm.forks import PartialBlockForks, partial_block_forks
 
@@ -74,7 +75,7 @@ _RELIEF = 4
 # Stands for every adapter in `release`.
 ALL = object()
 
-Context = tuple[Hashable, tuple[int, ...]]  # (adapter id or None, token ids)
+Context = tuple[Hashable, TokenIds]  # (adapter id or None, token ids)
 
 
 def live_requests(engine: Any) -> LiveRequests | None:
@@ -121,8 +122,10 @@ class LiveRequests:
         self._hash_block_size = scheduler.hash_block_size
         self._slots = scheduler.scheduler_config.max_num_seqs
         self._tasks = engine.get_supported_tasks()
-        # Idle requests by the context they computed, least recently used first.
-        self._idle: OrderedDict[Context, str] = OrderedDict()
+        # Idle requests by the context they computed, least recently used first: each with
+        # that context as stored, which a query that resumes it adopts as its own prefix
+        # (`TokenIds.adopt_prefix`), so that later lookups compare the two by identity.
+        self._idle: OrderedDict[Context, tuple[str, Context]] = OrderedDict()
         # Requests computing now: id -> the context they will have computed.
         self._busy: dict[str, Context] = {}
         # The last input each live request was given (vLLM's `EngineCoreRequest`): the next
@@ -140,7 +143,7 @@ class LiveRequests:
         """How many requests wait idle."""
         return len(self._idle)
 
-    def add(self, token_ids: list[int], params: Any, lora: Any) -> str:
+    def add(self, token_ids: TokenIds, params: Any, lora: Any) -> str:
         """Put a query into the engine as a live request; returns its request id.
 
         It resumes the idle request whose context is `token_ids` less the last
@@ -154,8 +157,10 @@ class LiveRequests:
             prompt longer than the model's limit).
         """
         adapter = None if lora is None else lora.lora_int_id
-        key = self._resumed_key(token_ids, lora)
-        request_id = self._idle.pop(key, None)
+        key, request_id = self._resumed_key(token_ids, lora), None
+        if (idle := self._idle.pop(key, None)) is not None:
+            request_id, key = idle
+            token_ids.adopt_prefix(key[1])
         if request_id is not None and not self._resumable(request_id):
             self._end([request_id])  # e.g. ended inside the engine meanwhile: a new request
             request_id = None
@@ -175,7 +180,7 @@ class LiveRequests:
                 self.forks.forget([request_id])
             raise
         self._sent[request_id] = request
-        self._busy[request_id] = (adapter, tuple(token_ids))
+        self._busy[request_id] = (adapter, token_ids)
         return request_id
 
     def is_live(self, request_id: str) -> bool:
@@ -189,10 +194,10 @@ class LiveRequests:
         for request_id in request_ids:
             context = self._busy.pop(request_id)
             if (other := self._idle.pop(context, None)) is not None:
-                replaced.append(other)
-            self._idle[context] = request_id
+                replaced.append(other[0])
+            self._idle[context] = (request_id, context)
             adapter, token_ids = context
-            self._hold(request_id, (adapter, token_ids[:-1]), context)
+            self._hold(request_id, (adapter, token_ids.prefix), context)
         if self.forks is not None:
             self.forks.forget(request_ids)
         self._end(replaced)
@@ -222,12 +227,16 @@ class LiveRequests:
             self.forks.remove()
             self.forks = None
 
-    def make_room(self, live: list[tuple[list[int], Any]], others: int, running: int) -> None:
+    def make_room(self, live: list[tuple[TokenIds, Any]], others: int, running: int) -> None:
         """End idle requests, least recently used first, so that the requests about to enter
         (`live`: the `(token ids, LoRA request)` of live ones, and `others` more) find engine
         slots beside `running` ones, sparing those the live ones resume; and while the
         key/value cache is under pressure."""
-        resumed = {self._resumed_key(ids, lora) for ids, lora in live} & self._idle.keys()
+        resumed = set()
+        for ids, lora in live:
+            if (idle := self._idle.get(self._resumed_key(ids, lora))) is not None:
+                ids.adopt_prefix(idle[1][1])  # `add` then finds it by identity
+                resumed.add(idle[1])
         over = self.idle + running + len(live) - len(resumed) + others - self._slots
         self._end_oldest(over, spare=resumed)
         self.relieve(stalled=False)
@@ -244,17 +253,17 @@ class LiveRequests:
     def release(self, adapter: Hashable = ALL) -> None:
         """End the idle requests (of `adapter`'s id, `None` for the base model; default all)."""
         ended = [context for context in self._idle if adapter is ALL or context[0] == adapter]
-        self._end([self._idle.pop(context) for context in ended])
+        self._end([self._idle.pop(context)[0] for context in ended])
 
     @staticmethod
-    def _resumed_key(token_ids: list[int], lora: Any) -> Context:
+    def _resumed_key(token_ids: TokenIds, lora: Any) -> Context:
         """The idle context a query of `token_ids` for `lora` would resume."""
-        return (None if lora is None else lora.lora_int_id, tuple(token_ids[:-1]))
+        return (None if lora is None else lora.lora_int_id, token_ids.prefix)
 
     def _end_oldest(self, count: int, spare: set[Context] = frozenset()) -> None:
         """End the `count` least recently used idle requests (but not those at `spare`)."""
         ended = list(itertools.islice((c for c in self._idle if c not in spare), max(count, 0)))
-        self._end([self._idle.pop(context) for context in ended])
+        self._end([self._idle.pop(context)[0] for context in ended])
 
     def _hold(self, request_id: str, *contexts: Context) -> None:
         """`request_id` holds the key/values of `contexts` (it keeps its latest two)."""
@@ -284,13 +293,13 @@ class LiveRequests:
         if request_ids:
             self._engine.engine_core.abort_requests(request_ids)
 
-    def _enter(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> Any:
+    def _enter(self, request_id: str, token_ids: TokenIds, params: Any, lora: Any) -> Any:
         """Put a new resumable request into the engine; returns it (vLLM's `EngineCoreRequest`)."""
         request = self._processed(request_id, token_ids, params, lora)
         self._submit(request)
         return request
 
-    def _resume(self, request_id: str, token_ids: list[int], params: Any) -> Any:
+    def _resume(self, request_id: str, token_ids: TokenIds, params: Any) -> Any:
         """Give an idle request the last of `token_ids` as its next input; returns the input."""
         request = self._resumed(self._sent[request_id], token_ids[-1], params)
         self._drop_unkept_hashes(request_id)
@@ -308,18 +317,16 @@ class LiveRequests:
         self._engine.output_processor.abort_requests(request_ids, internal=True)
 
     def _processed(
-        self, request_id: str, token_ids: list[int], params: Any, lora: Any, resumable: bool = True
+        self, request_id: str, token_ids: TokenIds, params: Any, lora: Any, resumable: bool = True
     ) -> Any:
         """A new request through vLLM's input processing, under our own id
         (`LLMEngine.add_request` would randomise it); `params` may be deferred (see
         `EngineRequest`)."""
         if callable(params):
             params = params()
-        from vllm.inputs.engine import tokens_input
-
         request = self._engine.input_processor.process_inputs(
             request_id,
-            tokens_input(list(token_ids)),
+            engine_input(token_ids),
             params,
             supported_tasks=self._tasks,
             lora_request=lora,
@@ -426,7 +433,7 @@ class FedRequests(LiveRequests):
         super().close()
         self._scheduler.schedule = self._schedule
 
-    def _enter(self, request_id: str, token_ids: list[int], params: Any, lora: Any) -> Any:
+    def _enter(self, request_id: str, token_ids: TokenIds, params: Any, lora: Any) -> Any:
         """A new request that runs until the model's length, in the engine core only."""
         params = params() if callable(params) else copy.copy(params)
         params.max_tokens = max(1, self._max_len - len(token_ids))
@@ -436,7 +443,7 @@ class FedRequests(LiveRequests):
         self._inputs[request_id] = (self._scheduler.requests[request_id], len(token_ids))
         return request
 
-    def _resume(self, request_id: str, token_ids: list[int], params: Any) -> Any:
+    def _resume(self, request_id: str, token_ids: TokenIds, params: Any) -> Any:
         """Feed an idle request its next token: it replaces the sampled one, and the request
         runs again."""
         request = self._scheduler.requests[request_id]
@@ -473,6 +480,14 @@ class FedRequests(LiveRequests):
             if sent:
                 setattr(output, FED_INPUTS, sent)
         return output
+
+
+def engine_input(token_ids: Sequence[int]) -> Any:
+    """A prompt of `token_ids` as vLLM's engine takes it."""
+    # From the submodule: `from vllm import ...` goes through vLLM's lazy module `__getattr__`.
+    from vllm.inputs.engine import tokens_input
+
+    return tokens_input(list(token_ids))
 
 
 def chunk_done(output: Any) -> bool:

@@ -126,12 +126,17 @@ def _prefix_chains(queries: Sequence[tuple[Hashable, tuple[int, ...]]]) -> list[
         following: tuple[int, ...] | None = None
         for index in reversed(indices):
             context = queries[index][1]
-            if following is not None and following[: len(context)] == context:
+            if following is not None and _extends(following, context):
                 groups[-1].append(index)
             else:
                 groups.append([index])
             following = context
     return groups
+
+
+def _extends(longer: tuple[int, ...], context: tuple[int, ...]) -> bool:
+    """Whether `longer` extends `context` (the queries of a batch are distinct)."""
+    return len(longer) > len(context) and longer[: len(context)] == context
 
 
 def adapts_output_layer(lora_path: str) -> bool:
@@ -166,7 +171,7 @@ def captured_request(
     """A one-token request whose next-token row the capture `owner` (`None`: any) records.
 
     Args:
-        token_ids: The prompt.
+        token_ids: The prompt (a `TokenIds` for a `live` request).
         lora: Its `LoRARequest`, or `None`.
         tag: The tag its next-token row is recorded under.
         owner: The `capture_id` of the capture that records it (`None`: any).
@@ -179,10 +184,6 @@ def captured_request(
         prompt_logprobs: vLLM's own prompt log-probabilities to return.
         live: See `EngineRequest`.
     """
-    # From the submodules: `from vllm import ...` goes through vLLM's lazy module
-    # `__getattr__` at every call, about half of this function's time.
-    from vllm.inputs.engine import tokens_input
-
     extra_args: dict[str, Any] = {CAPTURE_TAG: tag}
     if owner is not None:
         extra_args[CAPTURE_OWNER] = owner
@@ -196,7 +197,7 @@ def captured_request(
     )
     if not live:
         params = params()
-    return EngineRequest(tokens_input(list(token_ids)), params, lora, check, live)
+    return EngineRequest(token_ids, params, lora, check, live)
 
 
 class DeferredParams:
@@ -249,7 +250,6 @@ def sample_request(
     request: SampleRequest, check: Callable[[], BaseException | None] | None
 ) -> EngineRequest:
     """The engine request of a `sample` call (`check`: see `EngineRequest`)."""
-    from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(
@@ -262,7 +262,7 @@ def sample_request(
         output_kind=RequestOutputKind.FINAL_ONLY,
         skip_clone=True,
     )
-    return EngineRequest(tokens_input(list(request.prompt)), params, request.lora, check)
+    return EngineRequest(request.prompt, params, request.lora, check)
 
 
 def check_capture(
@@ -350,13 +350,12 @@ def _spread(row: Any, reported: dict) -> float:
 
 def probe_request() -> EngineRequest:
     """A greedy one-token request with a one-token prompt: whether the engine still runs."""
-    from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(
         max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
     )
-    return EngineRequest(tokens_input([0]), params, None)
+    return EngineRequest((0,), params, None)
 
 
 def refused(outcome: Any) -> bool:

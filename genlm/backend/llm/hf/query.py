@@ -30,7 +30,8 @@ class Query:
         adapter: str | None = None,
         past: PrefixMatch | None = None,
     ):
-        self.token_ids = tuple(token_ids)
+        # Kept as it is when a tuple: a checked context (`TokenIds`) keeps its hash.
+        self.token_ids = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         self.adapter = adapter
         self.past = past
 

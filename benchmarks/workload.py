@@ -49,12 +49,17 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
 
 
 def make_trace(
-    n: int, steps: int, vocab: int, seed: int = 0, resample=RESAMPLE_EVERY, prompt=PROMPT_LENGTH
+    n: int,
+    steps: int,
+    vocab: int,
+    seed: int = 0,
+    resample: int = RESAMPLE_EVERY,
+    prompt_length: int = PROMPT_LENGTH,
 ) -> Trace:
-    """The seeded trace of N particles over T steps from a `prompt`-token prompt, resampled every
-    `resample` (0: never)."""
+    """The seeded trace of N particles over T steps from a `prompt_length`-token prompt, resampled
+    every `resample` (0: never)."""
     draw = partial(torch.randint, generator=torch.Generator().manual_seed(seed))
-    prompt, tokens = draw(0, vocab, (prompt,)).tolist(), draw(0, vocab, (steps, n))
+    prompt, tokens = draw(0, vocab, (prompt_length,)).tolist(), draw(0, vocab, (steps, n))
     every = range(resample - 1, steps, resample) if resample else ()
     ancestors = {step: draw(0, n, (n,)).tolist() for step in every}
     picks = draw(0, steps * n, (CHECKED,)).tolist()

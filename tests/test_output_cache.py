@@ -319,6 +319,34 @@ def test_store_rows_takes_separate_rows_from_several_tensors():
     assert len(cache) == 20
 
 
+@pytest.mark.parametrize(
+    "pick",
+    [
+        [5, 0, 6, 1, 7, 2, 8, 3, 9, 4],  # all rows, interleaved (resampled particles)
+        [3, 7, 5, 4, 6],  # a middle block, shuffled
+        [9, 8, 7, 6, 5, 4, 3, 2, 1, 0],
+        [0, 2, 3, 4, 5],  # a gap: not one block
+        [4, 4, 5],  # a row twice
+    ],
+)
+def test_rows_of_one_tensor_in_any_order_are_stored_under_their_own_keys(pick):
+    # A step's rows reach the cache one view each, in the step's order or not; the first
+    # 16 slots are taken, so a batch of 10 wraps around the ring of 20 slots.
+    cache = OutputCache(maxsize=20)
+    cache.store_rows([("old", i) for i in range(16)], torch.zeros(16, 6))
+    step = torch.randn(10, 6, generator=torch.Generator().manual_seed(3))
+    expected = step.clone()
+    keys = [("new", position) for position in range(len(pick))]
+    cache.store_rows(keys, [step[i] for i in pick])
+    step.fill_(-1)  # the caller's rows: the cache's are its own
+    for key, i in zip(keys, pick, strict=True):
+        assert torch.equal(cache[key], expected[i])
+    assert list(cache._entries)[-len(pick) :] == keys  # stored last, in the keys' order
+    assert all(
+        torch.equal(cache[("old", i)], torch.zeros(6)) for i in range(max(len(pick) - 4, 0), 16)
+    )
+
+
 @pytest.mark.parametrize("as_rows", [False, True])
 def test_random_operations_agree_with_a_plain_lru_map(as_rows):
     # Batches of varying sizes, reads, overwrites, removals and clears, against an

@@ -115,13 +115,19 @@ def _prefix_chains(queries: Sequence[tuple[Hashable, tuple[int, ...]]]) -> list[
     Within one adapter, sorted contexts put every context right before those
     that extend it, so a context is a prefix of some other one exactly when it
     is a prefix of the next: walking the sorted order backwards, each context
-    joins the group of the next one if that extends it.
+    joins the group of the next one if that extends it. Distinct contexts of
+    one length (a sampler's particles in step) extend none of each other:
+    each is a group of its own, without the sort, whose comparisons read a
+    shared prompt through.
     """
     by_adapter: dict[Hashable, list[int]] = {}
     for index, (adapter, _) in enumerate(queries):
         by_adapter.setdefault(adapter, []).append(index)
     groups: list[list[int]] = []
     for indices in by_adapter.values():
+        if len({len(queries[i][1]) for i in indices}) == 1:
+            groups.extend([index] for index in indices)
+            continue
         indices.sort(key=lambda i: queries[i][1])
         following: tuple[int, ...] | None = None
         for index in reversed(indices):

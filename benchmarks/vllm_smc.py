@@ -5,7 +5,9 @@ given to `LLM.generate(max_tokens=1)` with the same capture, a call per step. Sa
 Per step (`vllm_smc/step/NxT`, and `/no-resampling`): the mean step after the prompt's
 (steps 1..T-2, resampling steps included; the median step in the notes) against the engine's
 decode step with the prefill excluded (`decode_step`). `--steps-only`: those rows alone.
-`--interleave`: one query alone, and while a 128-token `sample` runs."""
+`--interleave`: one query alone, and while a 128-token `sample` runs (asked 1 s into it, past
+its prefill: a query waits for the step in flight, and the 64-token prefill step is about twice a
+decode step). `--configs ""`: the interleaved query alone."""
 
 import asyncio
 import operator
@@ -120,7 +122,7 @@ async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     alone, start = time.perf_counter() - start, time.perf_counter()
     prompt = [1 + (run * 64 + i) % 4000 for i in range(64)]
     sampling = asyncio.create_task(lm.sample(prompt, 128, [], seed=run))
-    await asyncio.sleep(0.1)  # the sample is in the engine by now
+    await asyncio.sleep(1.0)  # the sample decodes by now (its prefill step: ~0.4 s here)
     asked = time.perf_counter()
     await lm.next_token_logprobs(contexts[1])
     during = time.perf_counter() - asked
@@ -189,6 +191,6 @@ def run(args: Any) -> None:
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
         alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))
-        label = f"one query while a 128-token `sample` runs ({sample:,.0f} ms; floor: alone)"
+        label = f"one query 1 s into a 128-token `sample` ({sample:,.0f} ms; floor: alone)"
         record(Figure("vllm_smc/interleave", label, "ms", during, alone))
     lm.cleanup()

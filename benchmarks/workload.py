@@ -44,8 +44,9 @@ class Trace:
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
-    """`"10x32,32x128"` -> `[(10, 32), (32, 128)]`: (particles, steps) pairs."""
-    return [(int(n), int(steps)) for n, steps in (pair.split("x") for pair in text.split(","))]
+    """`"10x32,32x128"` -> `[(10, 32), (32, 128)]`: (particles, steps) pairs (`""`: none)."""
+    pairs = (pair.split("x") for pair in text.split(",") if pair)
+    return [(int(n), int(steps)) for n, steps in pairs]
 
 
 def make_trace(

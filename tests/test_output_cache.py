@@ -347,6 +347,16 @@ def test_rows_of_one_tensor_in_any_order_are_stored_under_their_own_keys(pick):
     )
 
 
+def test_a_view_past_its_base_tensors_rows_is_stored_as_it_is():
+    base = torch.arange(30.0)
+    base.resize_(4, 3)  # its memory still holds 30 floats: a view may reach past its 4 rows
+    rows = [base[3], base.as_strided((3,), (1,), 12)]
+    expected = [row.clone() for row in rows]
+    cache = OutputCache(maxsize=4)
+    cache.store_rows([("a",), ("b",)], rows)
+    assert torch.equal(cache[("a",)], expected[0]) and torch.equal(cache[("b",)], expected[1])
+
+
 @pytest.mark.parametrize("as_rows", [False, True])
 def test_random_operations_agree_with_a_plain_lru_map(as_rows):
     # Batches of varying sizes, reads, overwrites, removals and clears, against an

@@ -181,8 +181,10 @@ def block_of(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
         if row._base is not base or row.shape != (width,) or row.stride() != (1,) or offset % width:
             return None
         positions.append(offset // width)
-    first = min(positions)
-    if max(positions) - first != len(rows) - 1 or len(set(positions)) != len(rows):
+    first, last = min(positions), max(positions)
+    if first < 0 or last >= base.shape[0]:  # a view beyond the base's rows (`as_strided`)
+        return None
+    if last - first != len(rows) - 1 or len(set(positions)) != len(rows):
         return None
     return base.narrow(0, first, len(rows)).detach(), [p - first for p in positions]
 

@@ -6,8 +6,8 @@ Per step (`vllm_smc/step/NxT`, and `/no-resampling`): the mean step after the pr
 (steps 1..T-2, resampling steps included; the median step in the notes) against the engine's
 decode step with the prefill excluded (`decode_step`). `--steps-only`: those rows alone.
 `--interleave`: one query alone, and while a 128-token `sample` runs (asked 1 s into it, past
-its prefill: a query waits for the step in flight, and the 64-token prefill step is about twice a
-decode step). `--configs ""`: the interleaved query alone."""
+its prefill: a query waits for the step in flight, and the sample's 64-token prefill step takes
+about four decode steps). `--configs ""`: the interleaved query alone."""
 
 import asyncio
 import operator

@@ -1,6 +1,6 @@
 """SMC on a random 1.07B Llama (seeded bfloat16, SmolLM2's tokenizer), N=32, ms per step after the
 device finished. vLLM (defaults, eager; T=64) against the engine's own decode step of N sequences
-(`vllm_smc.decode_step`; `LLM.generate(max_tokens=1)` per step, with and without the capture, in
+(`workload.decode_step`; `LLM.generate(max_tokens=1)` per step, with and without the capture, in
 the notes); transformers (T=64, 256) against `workload.run_reference`. The released 0.3.1 runs the
 same workload with the same engine options in a fresh process beside each (its vLLM backend only
 on the V2 runner, which it sets itself); where it cannot run, the run says why and goes on.
@@ -157,7 +157,7 @@ def run(args: Any) -> None:
             return
         if args.runner != "auto":  # read when each engine is configured
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
-        from benchmarks.vllm_smc import decode_step, floor, start_engine
+        from benchmarks.vllm_smc import decode, floor, start_engine
 
         base = {"dtype": str(dtype).removeprefix("torch."), "max_model_len": 512, "seed": 0}
         if cuda:
@@ -170,7 +170,7 @@ def run(args: Any) -> None:
             v2 = lm.llm_engine.llm_engine.vllm_config.use_v2_model_runner
             vocab, trace = lm.vocab_size, workload.make_trace(N, VLLM_STEPS, lm.vocab_size)
             at = (lm, trace, N, VLLM_STEPS, clock)
-            runs = {"floor": partial(decode_step, *at)}
+            runs = {"floor": partial(workload.decode_step, partial(decode, lm), *at[1:])}
             runs["generate per step"] = partial(floor, *at, capture=False)
             runs["generate per step, capture"] = partial(floor, *at)
             runs["ours"] = partial(workload.stamped_backend, *at[:4], clock=clock)

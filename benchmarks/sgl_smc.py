@@ -2,7 +2,9 @@
 builds: `.venv-sglang-0.5.18/bin/python -m benchmarks sgl_smc`). Scoring: all prefixes of a
 sequence in one cold call against ONE request of the whole sequence. SMC through
 `AsyncSGLTransformer` against the engine's own decode: N sequences of the same prompt length
-decoding T tokens together on the same scheduler."""
+decoding T tokens together on the same scheduler. Per step (`sgl_smc/step/NxT`, and
+`/no-resampling`): the mean step after the prompt's against that decode's step with the prefill
+excluded (`workload.decode_step`)."""
 
 import os
 import time
@@ -14,7 +16,7 @@ import torch
 
 from benchmarks.core import Figure, alternate, record, timed
 from benchmarks.scoring import prefix_rows
-from benchmarks.workload import Trace, cold, parse_configs, smc_figures
+from benchmarks.workload import Trace, cold, parse_configs, smc_figures, step_figures
 
 OPTIONS = {"configs": "10x32,32x32", "lengths": ("64,256", "sequence lengths (scoring)")}
 OPTIONS["repeats"] = 3
@@ -73,6 +75,7 @@ def run(args: Any) -> None:
     path = str(assets.smollm2(fetch=False))
     with AsyncSGLTransformer.from_name(path, engine_opts=engine_opts()) as lm:
         measure_scoring(lm, [int(length) for length in args.lengths.split(",")], args.repeats)
+        floor = partial(decode_floor, lm)
         for n, steps in parse_configs(args.configs):
-            floor = partial(decode_floor, lm)
             smc_figures("sgl_smc", lm, floor, f"{n}x{steps}", args.repeats, "", warm_up=True)
+        step_figures("sgl_smc", lm, floor, args.configs, args.repeats)

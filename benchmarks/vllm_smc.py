@@ -4,30 +4,26 @@ engine's own decode: N sequences of the prompt generating T tokens together in o
 given to `LLM.generate(max_tokens=1)` with the same capture, a call per step. Same engine.
 Per step (`vllm_smc/step/NxT`, and `/no-resampling`): the mean step after the prompt's
 (steps 1..T-2, resampling steps included; the median step in the notes) against the engine's
-decode step with the prefill excluded (`decode_step`). `--steps-only`: those rows alone.
+decode step with the prefill excluded (`workload.decode_step`). `--steps-only`: those rows alone.
 `--interleave`: one query alone, and while a 128-token `sample` runs (asked 1 s into it, past
 its prefill: a query waits for the step in flight, and the sample's 64-token prefill step takes
 about four decode steps). `--configs ""`: the interleaved query alone."""
 
 import asyncio
-import operator
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from benchmarks.core import Figure, compare, median, record
+from benchmarks.core import Figure, median, record
 from benchmarks.workload import (
     Trace,
     cold,
     keep_checked,
-    make_trace,
-    median_of,
-    parse_configs,
     smc_figures,
-    stamped_backend,
     step_costs,
+    step_figures,
     wall_clock,
 )
 
@@ -103,17 +99,6 @@ def decode(lm: Any, trace: Trace, n: int, steps: int) -> None:
         thread.submit(run).result()
 
 
-def decode_step(lm: Any, trace: Trace, n: int, steps: int, clock=wall_clock) -> list:
-    """The engine's decode step of N sequences, as one step cost: `decode` of T tokens less
-    `decode` of one (the prefill and a first token), over T - 1, in every column of `clock`."""
-    costs = []
-    for tokens in (1, steps):
-        start = clock()
-        decode(lm, trace, n, tokens)
-        costs.append(tuple(map(operator.sub, clock(), start)))
-    return [tuple((long - short) / (steps - 1) for short, long in zip(*costs, strict=True))]
-
-
 async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     """Seconds: a query alone, a query during a 128-token sample, and that sample."""
     contexts = [[5000 + (run * 97 + offset + i) % 4000 for i in range(32)] for offset in (0, 1)]
@@ -128,32 +113,6 @@ async def query_during_sample(lm: Any, run: int) -> tuple[float, float, float]:
     during = time.perf_counter() - asked
     await sampling
     return alone, during, time.perf_counter() - start
-
-
-def step_figures(lm: Any, configs: str, repeats: int, warm_up: bool = False) -> None:
-    """Record `vllm_smc/step/NxT` (resampled every 5 steps) and `.../no-resampling`: the SMC's
-    mean ms per step against the engine's decode step, alternated (medians of the runs; after
-    an untimed one of each: `warm_up`)."""
-    for n, steps in parse_configs(configs):
-        for resample, suffix in ((5, ""), (0, "/no-resampling")):
-            trace = make_trace(n, steps, lm.vocab_size, resample=resample)
-            runs = {
-                "floor": partial(step_ms, decode_step, lm, trace, n, steps),
-                "ours": partial(step_ms, stamped_backend, lm, trace, n, steps),
-            }
-            ms = compare(runs, repeats, warm_up)
-            (ours, ours_median), (floor, _) = ms["ours"], ms["floor"]
-            label = f"N={n}, T={steps}, a step" + (", no resampling" if resample == 0 else "")
-            label += " (mean; floor: the engine's decode step, prefill excluded)"
-            row_id = f"vllm_smc/step/{n}x{steps}{suffix}"
-            notes = {"ours, median step ms": ours_median}
-            record(Figure(row_id, label, "ms", ours, floor, target="≤ 1.25×", notes=notes))
-
-
-def step_ms(step_costs_of: Any, *args: Any) -> tuple[float, float]:
-    """The mean and the median of `step_costs_of(*args)`'s wall seconds, in ms."""
-    costs = step_costs_of(*args)
-    return 1e3 * sum(cost[0] for cost in costs) / len(costs), 1e3 * median_of(costs)
 
 
 def start_engine(path: str, kv_gib: int = 2, **engine_opts: Any) -> Any:
@@ -187,7 +146,16 @@ def run(args: Any) -> None:
             warm_up=True,
             references=per_step,
         )
-    step_figures(lm, args.configs, args.repeats, warm_up=args.steps_only)
+    targets = ("≤ 1.25×", "≤ 1.1×")
+    step_figures(
+        "vllm_smc",
+        lm,
+        partial(decode, lm),
+        args.configs,
+        args.repeats,
+        warm_up=args.steps_only,
+        targets=targets,
+    )
     if args.interleave:
         times = [asyncio.run(query_during_sample(lm, i)) for i in range(args.repeats + 1)][1:]
         alone, during, sample = (1e3 * median(column) for column in zip(*times, strict=True))

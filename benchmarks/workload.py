@@ -168,6 +168,54 @@ def stamped_backend(lm: Any, trace: Trace, n: int, steps: int, **run: Any) -> li
     return run_backend(lm, trace, n, steps, **run)[2]
 
 
+def decode_step(decode: Callable, trace: Trace, n: int, steps: int, clock=wall_clock) -> list:
+    """An engine's decode step of N sequences, as one step cost: `decode(trace, n, T)` (N
+    sequences of the trace's prompt decoding T tokens together) less `decode(trace, n, 1)` (the
+    prefill and a first token), over T - 1, in every column of `clock`."""
+    costs = []
+    for tokens in (1, steps):
+        start = clock()
+        decode(trace, n, tokens)
+        costs.append(tuple(map(operator.sub, clock(), start)))
+    return [tuple((long - short) / (steps - 1) for short, long in zip(*costs, strict=True))]
+
+
+def step_ms(step_costs_of: Callable, *args: Any) -> tuple[float, float]:
+    """The mean and the median of `step_costs_of(*args)`'s wall seconds, in ms."""
+    costs = step_costs_of(*args)
+    return 1e3 * sum(cost[0] for cost in costs) / len(costs), 1e3 * median_of(costs)
+
+
+def step_figures(
+    group: str,
+    lm: Any,
+    decode: Callable,
+    configs: str,
+    repeats: int,
+    warm_up: bool = False,
+    targets: tuple[str, str] = ("", ""),
+) -> None:
+    """Record `group/step/NxT` (resampled every 5 steps) and `.../no-resampling`: the SMC's
+    mean ms per step through `lm` against the engine's decode step (`decode_step` of `decode`),
+    alternated (medians of the runs; after an untimed one of each: `warm_up`); `targets`: the
+    two rows' targets."""
+    for n, steps in parse_configs(configs):
+        rows = ((RESAMPLE_EVERY, "", targets[0]), (0, "/no-resampling", targets[1]))
+        for resample, suffix, target in rows:
+            trace = make_trace(n, steps, lm.vocab_size, resample=resample)
+            runs = {
+                "floor": partial(step_ms, decode_step, decode, trace, n, steps),
+                "ours": partial(step_ms, stamped_backend, lm, trace, n, steps),
+            }
+            ms = compare(runs, repeats, warm_up)
+            (ours, ours_median), (floor, _) = ms["ours"], ms["floor"]
+            label = f"N={n}, T={steps}, a step" + (", no resampling" if resample == 0 else "")
+            label += " (mean; floor: the engine's decode step, prefill excluded)"
+            row_id = f"{group}/step/{n}x{steps}{suffix}"
+            notes = {"ours, median step ms": ours_median}
+            record(Figure(row_id, label, "ms", ours, floor, target=target, notes=notes))
+
+
 def smc_figures(
     group,
     lm,

@@ -6,6 +6,7 @@ import array
 import asyncio
 import hashlib
 import numbers
+import operator
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -173,9 +174,10 @@ def check_token_ids(
     if len(token_ids) == 0:
         raise ValueError("token_ids is empty: a context needs at least one token (e.g. BOS)")
     ids = tuple(token_ids)
-    # Plain ints in range (the usual case) pass in one sweep; anything else is looked at
+    # Plain ints in range (the usual case) pass in one sweep (counting the types that are
+    # `int`: 27 ns an id, against 45 for the set of the types); anything else is looked at
     # one by one, to convert other integer types or to say which id is wrong.
-    if not (set(map(type, ids)) == {int} and _in_range(ids, vocab_size)):
+    if not (operator.countOf(map(type, ids), int) == len(ids) and _in_range(ids, vocab_size)):
         for position, token_id in enumerate(ids):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 raise ValueError(

@@ -277,6 +277,21 @@ def test_checked_contexts_equal_and_hash_like_tuples_and_keep_their_prefix():
     assert checked.prefix is earlier
 
 
+def test_checked_contexts_compare_as_the_tuples_of_their_ids():
+    # Against plain tuples' own answers, both ways round: equal ids, a prefix, an extension,
+    # one id changed, and objects that are not tuples.
+    checked = check_token_ids([5, 6, 7], vocab_size=10)
+    others = [(5, 6, 7), (5, 6), (5, 6, 7, 8), (5, 6, 8), (), [5, 6, 7], 5, "567", None]
+    others += [check_token_ids(list(ids), vocab_size=10) for ids in others[:4]]
+    for other in others:
+        plain = tuple(checked)
+        assert (checked == other) is (plain == other), other
+        assert (checked != other) is (plain != other), other
+        assert (other == checked) is (other == plain), other
+        assert (other != checked) is (other != plain), other
+        assert ((None, checked) == (None, other)) is ((None, plain) == (None, other)), other
+
+
 def test_check_token_ids_rejects_contexts_longer_than_the_model_accepts():
     assert check_token_ids([1] * 4, vocab_size=10, max_length=4) == (1,) * 4
     with pytest.raises(ValueError, match="at most 4"):

@@ -125,6 +125,17 @@ class TokenIds(tuple):
             value = self._hash = tuple.__hash__(self)
         return value
 
+    def __eq__(self, other: object) -> bool:
+        # A tuple compares the items both have before the lengths: a context and its prefix,
+        # which meet in the bookkeeping of live requests, would cost a pass over the prefix.
+        if isinstance(other, tuple) and len(other) != len(self):
+            return False
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
     @property
     def prefix(self) -> TokenIds:
         """The context less its last token id (made on first use, then kept)."""

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.core import Figure, alternate, record, timed
 from benchmarks.scoring import prefix_rows
-from benchmarks.workload import Trace, cold, parse_configs, smc_figures, step_figures
+from benchmarks.workload import Trace, cold, smc_figures, step_figures
 
 OPTIONS = {"configs": "10x32,32x32", "lengths": ("64,256", "sequence lengths (scoring)")}
 OPTIONS["repeats"] = 3
@@ -76,6 +76,5 @@ def run(args: Any) -> None:
     with AsyncSGLTransformer.from_name(path, engine_opts=engine_opts()) as lm:
         measure_scoring(lm, [int(length) for length in args.lengths.split(",")], args.repeats)
         floor = partial(decode_floor, lm)
-        for n, steps in parse_configs(args.configs):
-            smc_figures("sgl_smc", lm, floor, f"{n}x{steps}", args.repeats, "", warm_up=True)
+        smc_figures("sgl_smc", lm, floor, args.configs, args.repeats, "", warm_up=True)
         step_figures("sgl_smc", lm, floor, args.configs, args.repeats)

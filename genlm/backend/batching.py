@@ -76,8 +76,12 @@ class _Entry(Generic[RequestT]):
     request: RequestT
     futures: list[asyncio.Future] = field(default_factory=list)
 
-    def live_futures(self) -> list[asyncio.Future]:
-        return [f for f in self.futures if not f.done()]
+    def has_caller(self) -> bool:
+        """Whether a caller still waits for the result."""
+        for future in self.futures:
+            if not future.done():
+                return True
+        return False
 
 
 class _LoopQueue:
@@ -188,7 +192,10 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         """
         queue = self._queue(future.get_loop())
         key = self._key(request) if self._key is not None else next(self._counter)
-        entry = queue.in_flight.get(key) or queue.pending.get(key)
+        # A key is waiting or in flight, never both.
+        entry = queue.pending.get(key)
+        if entry is None and queue.in_flight:
+            entry = queue.in_flight.get(key)
         if entry is None:
             entry = queue.pending[key] = _Entry(request)
             queue.arrivals += 1
@@ -290,24 +297,26 @@ class AutoBatcher(Generic[RequestT, ResultT]):
 
     def _flush_queue(self, queue: _LoopQueue) -> None:
         queue.cancel_timer()
-        keys, entries = self._take_batch(queue)
-        if entries:
-            self._evaluate_sync(queue, keys, entries)
+        batch = self._take_batch(queue)
+        if batch:
+            self._evaluate_sync(queue, batch)
 
     @staticmethod
-    def _take_batch(queue: _LoopQueue) -> tuple[list[Hashable], list[_Entry]]:
-        """Every waiting request that still has a caller."""
-        batch = [(key, entry) for key, entry in queue.pending.items() if entry.live_futures()]
-        queue.pending.clear()
-        return [key for key, _ in batch], [entry for _, entry in batch]
+    def _take_batch(queue: _LoopQueue) -> dict[Hashable, _Entry]:
+        """Every waiting request that still has a caller, now in flight (the waiting ones'
+        dict itself: its keys are not hashed again)."""
+        batch, queue.pending = queue.pending, {}
+        for key in [key for key, entry in batch.items() if not entry.has_caller()]:
+            del batch[key]
+        queue.in_flight = batch
+        return batch
 
     async def _run_async_batch(self, queue: _LoopQueue) -> None:
         async with queue.lock:
-            keys, entries = self._take_batch(queue)
-            if not entries:
+            batch = self._take_batch(queue)
+            if not batch:
                 return
-            for key, entry in zip(keys, entries, strict=True):
-                queue.in_flight[key] = entry
+            entries = list(batch.values())
             try:
                 results = await self.evaluate([e.request for e in entries])
                 error = None
@@ -318,22 +327,19 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                 self._resolve(queue, entries, None, abandoned)
                 raise
             finally:
-                for key in keys:
-                    queue.in_flight.pop(key, None)
+                if queue.in_flight is batch:
+                    queue.in_flight = {}
             self._resolve(queue, entries, results, error)
 
-    def _evaluate_sync(
-        self, queue: _LoopQueue, keys: list[Hashable], entries: list[_Entry]
-    ) -> None:
-        for key, entry in zip(keys, entries, strict=True):
-            queue.in_flight[key] = entry
+    def _evaluate_sync(self, queue: _LoopQueue, batch: dict[Hashable, _Entry]) -> None:
+        entries = list(batch.values())
         try:
             results, error = self.evaluate([e.request for e in entries]), None
         except Exception as exc:  # delivered to the batch's callers
             results, error = None, exc
         finally:
-            for key in keys:
-                queue.in_flight.pop(key, None)
+            if queue.in_flight is batch:
+                queue.in_flight = {}
         self._resolve(queue, entries, results, error)
 
     @staticmethod
@@ -355,8 +361,9 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                         f"batch evaluator returned {count} results for {len(entries)} requests"
                     )
         try:
+            # Answered futures (cancelled callers) are skipped when their answer runs.
             for i, entry in enumerate(entries):
-                for n, future in enumerate(entry.live_futures()):
+                for n, future in enumerate(entry.futures):
                     if error is not None:
                         run(_set_exception, future, error)
                     elif isinstance(results[i], BaseException):
@@ -366,7 +373,7 @@ class AutoBatcher(Generic[RequestT, ResultT]):
                         run(_set_result, future, result)
         except Exception as exc:  # reading a result or copying it failed: no caller may hang
             for entry in entries:
-                for future in entry.live_futures():
+                for future in entry.futures:
                     run(_set_exception, future, exc)  # those answered already stay answered
 
 

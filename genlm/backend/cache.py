@@ -136,11 +136,12 @@ class OutputCache:
         if self.maxsize == 0 or len(keys) == 0:
             return
         limit = self._row_limit(values[0].numel() * values[0].element_size())
-        index_of = {key: index for index, key in enumerate(keys)}
-        kept = list(index_of)[max(len(index_of) - limit, 0) :]
+        index_of = {key: index for index, key in enumerate(keys)}  # a key's last row
+        start = max(len(index_of) - limit, 0)
+        kept = list(index_of)[start:]
         if kept:
             with self._lock:
-                self._store(kept, [index_of[key] for key in kept], values, limit)
+                self._store(kept, list(index_of.values())[start:], values, limit)
 
     def _row_limit(self, row_nbytes: int) -> int:
         """Most rows of `row_nbytes` bytes the bounds allow."""

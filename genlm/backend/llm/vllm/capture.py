@@ -22,7 +22,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -110,16 +110,18 @@ class GlobalLogprobsCapture:
                 if direction.name == "SWAP" and displaced is not None:
                     self._slot_tags[source] = displaced
 
-    def track(self, slot: int, params: Any) -> None:
-        """Note the request that now holds batch slot `slot` (for the V2 model runner).
+    def track(self, slots: Iterable[tuple[int, Any]]) -> None:
+        """Note the requests that now hold batch slots (a V2 model runner's new request, a
+        V1 batch's fed requests).
 
         Args:
-            slot: The request's index in the runner's request states.
-            params: Its `SamplingParams`; a request without a capture tag
-                clears the slot.
+            slots: `(slot, params)` pairs: the request's index in the runner's request
+                states or batch, and its `SamplingParams`; a request without a capture tag
+                clears its slot.
         """
         with self._lock:
-            self._tag_slot(slot, params)
+            for slot, params in slots:
+                self._tag_slot(slot, params)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Record the log-softmax of `logits`, row i being batch slot i (V1 model runner).
@@ -458,7 +460,7 @@ class CapturingSampler:
         0.26.0, `(slot, params)` in 0.32.0.
         """
         params = kwargs["sampling_params"] if "sampling_params" in kwargs else args[-1]
-        self.capture.track(slot, params)
+        self.capture.track([(slot, params)])
         return self.sampler.add_request(slot, *args, **kwargs)
 
     def __call__(self, logits: torch.Tensor, input_batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -95,6 +95,7 @@ class FedInputsHook:
             for processor in batch.logitsprocs.non_argmax_invariant
             if isinstance(processor, GlobalLogprobsCapture)
         ]
+        tracked = []
         for request_id, (token, extra_args) in fed.items():
             state = runner.requests[request_id]
             state.output_token_ids[-1] = token  # the batch's output list for it too
@@ -103,5 +104,6 @@ class FedInputsHook:
             if slot is None:  # it joins the batch in this step, from its state
                 continue
             batch.token_ids_cpu[slot, state.num_tokens - 1] = token
-            for capture in captures:
-                capture.track(slot, state.sampling_params)
+            tracked.append((slot, state.sampling_params))
+        for capture in captures:
+            capture.track(tracked)

@@ -196,9 +196,8 @@ class LiveRequests:
             if (other := self._idle.pop(context, None)) is not None:
                 replaced.append(other[0])
             self._idle[context] = (request_id, context)
-            adapter, token_ids = context
-            self._hold(request_id, (adapter, token_ids.prefix), context)
-            token_ids.drop_prefix()  # what it holds is in `_held`; no chain of contexts stays
+            self._hold_computed(request_id, context)
+            context[1].drop_prefix()  # what it holds is in `_held`; no chain of contexts stays
         if self.forks is not None:
             self.forks.forget(request_ids)
         self._end(replaced)
@@ -233,13 +232,14 @@ class LiveRequests:
         (`live`: the `(token ids, LoRA request)` of live ones, and `others` more) find engine
         slots beside `running` ones, sparing those the live ones resume; and while the
         key/value cache is under pressure."""
-        resumed = set()
-        for ids, lora in live:
-            if (idle := self._idle.get(self._resumed_key(ids, lora))) is not None:
-                ids.adopt_prefix(idle[1][1])  # `add` then finds it by identity
-                resumed.add(idle[1])
-        over = self.idle + running + len(live) - len(resumed) + others - self._slots
-        self._end_oldest(over, spare=resumed)
+        over = self.idle + running + len(live) + others - self._slots
+        if over > 0:  # some idle requests must end: not those the live ones resume
+            resumed = set()
+            for ids, lora in live:
+                if (idle := self._idle.get(self._resumed_key(ids, lora))) is not None:
+                    ids.adopt_prefix(idle[1][1])  # `add` then finds it by identity
+                    resumed.add(idle[1])
+            self._end_oldest(over - len(resumed), spare=resumed)
         self.relieve(stalled=False)
 
     def relieve(self, stalled: bool) -> None:
@@ -269,6 +269,9 @@ class LiveRequests:
     def _hold(self, request_id: str, *contexts: Context) -> None:
         """`request_id` holds the key/values of `contexts` (it keeps its latest two)."""
         held = self._held.setdefault(request_id, [])
+        if len(contexts) == 1 and held and held[-1] is contexts[0]:  # a resumed request's own
+            self._holders[held[-1]] = request_id
+            return
         for context in contexts:
             self._holders[context] = request_id
             if context not in held:
@@ -277,6 +280,19 @@ class LiveRequests:
             if self._holders.get(context) == request_id:
                 del self._holders[context]
         del held[:-2]
+
+    def _hold_computed(self, request_id: str, context: Context) -> None:
+        """`request_id` computed `context`: it holds it and its prefix (`_hold`). A resumed
+        request's prefix is the context it held last, as the very object (see `add`)."""
+        held = self._held.get(request_id)
+        if not held or held[-1][1] is not context[1].prefix:
+            self._hold(request_id, (context[0], context[1].prefix), context)
+            return
+        holders, prefix = self._holders, held[-1]
+        holders[prefix] = holders[context] = request_id
+        if len(held) == 2 and holders.get(held[0]) == request_id:
+            del holders[held[0]]
+        held[:] = (prefix, context)
 
     def _drop(self, request_ids: list[str]) -> None:
         """Forget what these requests were sent and hold (they ended or are ending)."""

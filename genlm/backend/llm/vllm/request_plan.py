@@ -97,13 +97,16 @@ def plan_requests(
     """
     planned = []
     for members in _prefix_chains(queries):
-        if not recompute or len(members) == 1:
+        if len(members) == 1:  # a request of its own either way
+            planned.append(Chain(members))
+            continue
+        if not recompute:
             chained = chains(queries[members[0]][0])
         else:
             alone = sum((len(queries[i][1]) - 1) % block_size + 1 for i in members)
             chained = chains(queries[members[0]][0]) and len(queries[members[0]][1]) < alone
         if chained:
-            planned.append(Chain(members, reads_prefix_cache=not recompute or len(members) == 1))
+            planned.append(Chain(members, reads_prefix_cache=not recompute))
         else:
             planned.extend(Chain([i]) for i in members)
     return planned

@@ -132,25 +132,27 @@ class RowRequests:
         """
         plan = plan_requests(queries, self._may_chain, recompute, self._block_size)
         tags = new_tags(len(queries))
-        requests = []
+        owner, requests = self._logits.owner, []
+        per_adapter: dict[Any, tuple[Any, bool]] = {}  # its check, whether it reads the cache
         for chain in plan:
             lora, ids = queries[chain.members[0]]
+            if (adapter := per_adapter.get(lora)) is None:
+                reads = reads_prefix_cache and self._adapters.reads_prefix_cache(lora)
+                adapter = per_adapter[lora] = (self._adapters.check(lora), reads)
+            check, reads = adapter
             # Every member's row, the first one's too, in query order: one tensor of rows
             # per engine step, which is the caller's result as it is when the queries are
             # all of a call's (see `rows_through_cache`).
-            members = sorted(chain.members) if len(chain.members) > 1 else []
-            prompt_rows = [(len(queries[i][1]) - 1, tags[i]) for i in members]
+            members = sorted(chain.members) if len(chain.members) > 1 else ()
             requests.append(
                 captured_request(
                     ids,
                     lora,
                     tags[chain.members[0]],
-                    self._logits.owner,
-                    check=self._adapters.check(lora),
-                    prompt_rows=prompt_rows,
-                    reads_prefix_cache=chain.reads_prefix_cache
-                    and reads_prefix_cache
-                    and self._adapters.reads_prefix_cache(lora),
+                    owner,
+                    check=check,
+                    prompt_rows=[(len(queries[i][1]) - 1, tags[i]) for i in members],
+                    reads_prefix_cache=chain.reads_prefix_cache and reads,
                     live=not members and not recompute and reads_prefix_cache,
                 )
             )

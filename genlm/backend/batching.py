@@ -192,13 +192,13 @@ class AutoBatcher(Generic[RequestT, ResultT]):
         """
         queue = self._queue(future.get_loop())
         key = self._key(request) if self._key is not None else next(self._counter)
-        # A key is waiting or in flight, never both.
-        entry = queue.pending.get(key)
-        if entry is None and queue.in_flight:
-            entry = queue.in_flight.get(key)
+        # A key is in flight or waiting, never both.
+        entry = queue.in_flight.get(key) if queue.in_flight else None
         if entry is None:
-            entry = queue.pending[key] = _Entry(request)
-            queue.arrivals += 1
+            new = _Entry(request)
+            entry = queue.pending.setdefault(key, new)
+            if entry is new:
+                queue.arrivals += 1
         entry.futures.append(future)
         if queue.pending:
             self._schedule(queue)

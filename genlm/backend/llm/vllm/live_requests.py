@@ -170,8 +170,7 @@ class LiveRequests:
                 if self.forks is not None and (holder := self._holders.get(key)) is not None:
                     self.forks.plan(request_id, holder)
                 request = self._enter(request_id, token_ids, params, lora)
-            else:
-                self._hold(request_id, key)
+            else:  # it holds `key` already: the context it computed last (see `park`)
                 request = self._resume(request_id, token_ids, params)
         except BaseException:
             if request_id in self._sent:  # an idle request, perhaps half-updated: end it
@@ -269,9 +268,6 @@ class LiveRequests:
     def _hold(self, request_id: str, *contexts: Context) -> None:
         """`request_id` holds the key/values of `contexts` (it keeps its latest two)."""
         held = self._held.setdefault(request_id, [])
-        if len(contexts) == 1 and held and held[-1] is contexts[0]:  # a resumed request's own
-            self._holders[held[-1]] = request_id
-            return
         for context in contexts:
             self._holders[context] = request_id
             if context not in held:
@@ -290,8 +286,8 @@ class LiveRequests:
             return
         holders, prefix = self._holders, held[-1]
         holders[prefix] = holders[context] = request_id
-        if len(held) == 2 and holders.get(held[0]) == request_id:
-            del holders[held[0]]
+        if len(held) == 2 and (holder := holders.pop(held[0], None)) not in (request_id, None):
+            holders[held[0]] = holder  # another request's now: it stays
         held[:] = (prefix, context)
 
     def _drop(self, request_ids: list[str]) -> None:

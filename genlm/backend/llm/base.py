@@ -113,7 +113,8 @@ class TokenIds(tuple):
     length; a context is looked up in several dicts per query (the output
     cache, the batcher, vLLM's live requests), so this one keeps its hash,
     and its `prefix` (all ids but the last), once made. It equals, and hashes
-    like, the plain tuple of its ids.
+    like, the plain tuple of its ids; it compares as a tuple does, in C (a
+    Python `__eq__` is a call from every dict lookup that meets an equal key).
     """
 
     _hash: int | None = None
@@ -124,17 +125,6 @@ class TokenIds(tuple):
         if value is None:
             value = self._hash = tuple.__hash__(self)
         return value
-
-    def __eq__(self, other: object) -> bool:
-        # A tuple compares the items both have before the lengths: a context and its prefix,
-        # which meet in the bookkeeping of live requests, would cost a pass over the prefix.
-        if isinstance(other, tuple) and len(other) != len(self):
-            return False
-        return tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
 
     @property
     def prefix(self) -> TokenIds:

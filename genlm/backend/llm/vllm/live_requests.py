@@ -195,7 +195,7 @@ class LiveRequests:
             if (other := self._idle.pop(context, None)) is not None:
                 replaced.append(other[0])
             self._idle[context] = (request_id, context)
-            self._hold_computed(request_id, context)
+            self._hold(request_id, context)
             context[1].drop_prefix()  # what it holds is in `_held`; no chain of contexts stays
         if self.forks is not None:
             self.forks.forget(request_ids)
@@ -265,30 +265,20 @@ class LiveRequests:
         ended = list(itertools.islice((c for c in self._idle if c not in spare), max(count, 0)))
         self._end([self._idle.pop(context)[0] for context in ended])
 
-    def _hold(self, request_id: str, *contexts: Context) -> None:
-        """`request_id` holds the key/values of `contexts` (it keeps its latest two)."""
-        held = self._held.setdefault(request_id, [])
-        for context in contexts:
-            self._holders[context] = request_id
-            if context not in held:
-                held.append(context)
-        for context in held[:-2]:
-            if self._holders.get(context) == request_id:
-                del self._holders[context]
-        del held[:-2]
-
-    def _hold_computed(self, request_id: str, context: Context) -> None:
-        """`request_id` computed `context`: it holds it and its prefix (`_hold`). A resumed
-        request's prefix is the context it held last, as the very object (see `add`)."""
-        held = self._held.get(request_id)
-        if not held or held[-1][1] is not context[1].prefix:
-            self._hold(request_id, (context[0], context[1].prefix), context)
-            return
-        holders, prefix = self._holders, held[-1]
+    def _hold(self, request_id: str, context: Context) -> None:
+        """`request_id` computed `context`: it holds the key/values of `context` and of its
+        prefix, and lets go of what it held before them. A resumed request's prefix is the
+        context it held last, as the very object (see `add`)."""
+        holders, held = self._holders, self._held.get(request_id, ())
+        if held and held[-1][1] is context[1].prefix:  # resumed: the context before goes
+            prefix, released = held[-1], held[:-1]
+        else:  # a new request
+            prefix, released = (context[0], context[1].prefix), held
+        for old in released:
+            if (holder := holders.pop(old, None)) not in (request_id, None):
+                holders[old] = holder  # another request's now: it stays
         holders[prefix] = holders[context] = request_id
-        if len(held) == 2 and (holder := holders.pop(held[0], None)) not in (request_id, None):
-            holders[held[0]] = holder  # another request's now: it stays
-        held[:] = (prefix, context)
+        self._held[request_id] = [prefix, context]
 
     def _drop(self, request_ids: list[str]) -> None:
         """Forget what these requests were sent and hold (they ended or are ending)."""

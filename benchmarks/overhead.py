@@ -3,7 +3,7 @@
 `batch_size=N`, transformers' cache off. Notes: what the API's contract adds to any backend's
 step and the floor lacks, timed alone (`contract_costs`); the Python bytecodes a step runs in
 this package and in vLLM, floor and defaults (`workload.BytecodeCounter`: host work counted,
-not timed)."""
+not timed); for vLLM, where the defaults' step goes (`phases.StepPhases`, ms, medians)."""
 
 import argparse
 import asyncio
@@ -19,6 +19,7 @@ import torch
 
 from benchmarks import vllm_smc, workload
 from benchmarks.core import Figure, compare, median, record, set_threads
+from benchmarks.phases import StepPhases
 from benchmarks.workload import BytecodeCounter, ForwardTimer, OpCounter, median_of
 
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
@@ -44,12 +45,15 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
     return costs
 
 
-def contract_costs(n: int, vocab: int, rounds: int = 200) -> dict[str, float]:
+def contract_costs(
+    n: int, vocab: int, rounds: int = 200, log_softmax: bool = False
+) -> dict[str, float]:
     """Medians, in ms, of what every step of the workload costs through this API and not in the
     floor: N particles' awaits (`asyncio.gather` of N coroutines, each awaiting a future that one
     callback answers, no model), and one copy of N float32 rows into memory used before (the
     caller's rows and the output cache's are two tensors; the floor keeps one), in torch's
-    threads."""
+    threads; with `log_softmax` (a floor that decodes without log-probabilities, as an engine's
+    decode), also the log-softmax of N rows of float32 logits."""
 
     async def fan_out() -> list[float]:
         loop, waiting, times = asyncio.get_running_loop(), [], []
@@ -80,7 +84,15 @@ def contract_costs(n: int, vocab: int, rounds: int = 200) -> dict[str, float]:
         kept[part % len(kept)].copy_(rows)
         copies.append(time.perf_counter() - start)
     awaits = asyncio.run(fan_out())
-    return {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
+    costs = {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
+    if log_softmax:
+        logits, normalised = torch.randn(n, vocab), []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            normalised.append(time.perf_counter() - start)
+        costs["log-softmax of N rows"] = 1e3 * median(normalised)
+    return costs
 
 
 @functools.cache  # one measurement per shape: the backends and models of a run share it
@@ -145,6 +157,11 @@ def measure(
         with BytecodeCounter(lm) as counter:
             costs = step_costs_of(lm, model, settings[name], trace, counter.read)
         bytecodes[name] = tuple(round(median_of(costs, column)) for column in range(2))
+    phases = {}
+    if model is None:  # the vLLM backend: one more run, its step's phases marked
+        with StepPhases(lm) as marked:
+            step_costs_of(lm, model, settings["defaults"], trace, workload.wall_clock)
+        phases = marked.medians()
     lm.batch_size = default
     # Median wall, CPU, outside-the-forward ms; page faults; mean wall ms.
     floor, ours = ms["floor"], ms["defaults"]
@@ -157,9 +174,11 @@ def measure(
         notes["operators floor / defaults"] = ops
     for name, counts in bytecodes.items():  # this package's, vLLM's
         notes[f"Python bytecodes, {name}"] = counts
+    notes |= {f"phase: {name}": value for name, value in phases.items()}
     notes["page faults floor / defaults"] = (floor[3], ours[3])
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
-    contract = contract_costs(n, lm.vocab_size)
+    # The engine's decode computes no log-probabilities; transformers' hand-written one does.
+    contract = contract_costs(n, lm.vocab_size, log_softmax=model is None)
     notes |= {f"contract: {name}": value for name, value in contract.items()}
     notes |= cache_store_costs(n, lm.vocab_size)  # copied in: the cached dict stays as it is
     notes["over floor + contract"] = ours[0] - floor[0] - sum(contract.values())

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from genlm.backend.llm import AsyncTransformer, MockAsyncLM, temper
-from genlm.backend.llm.rows import fit_width
+from genlm.backend.llm.rows import RowBuffers, fit_width
 
 ATOL = 1e-5
 CONTEXTS = [[1, 2, 3], [5, 100, 7, 9], [40, 41]]
@@ -156,3 +156,24 @@ def test_temper_against_hand_computed_values(temperature):
 def test_temper_refuses_a_temperature_that_is_not_positive_and_finite(temperature):
     with pytest.raises(ValueError, match="temperature must be a positive finite number"):
         temper(torch.zeros(3), temperature)
+
+
+def test_row_buffers_lend_memory_again_only_once_nothing_holds_it():
+    buffers = RowBuffers(keep=3)
+    first = buffers.empty(4, 8)
+    memory = first.data_ptr()
+    row, array = first[1], first[2].numpy()  # a view and an array of the caller's
+    row.fill_(1.0)
+    array[:] = 2.0
+    del first
+    second = buffers.empty(4, 8)  # the first's memory is still held: new memory
+    assert second.data_ptr() != memory
+    second.fill_(-1.0)
+    assert torch.equal(row, torch.ones(8)) and (array == 2.0).all()
+    del row
+    assert buffers.empty(4, 8).data_ptr() != memory  # the array still holds it
+    del array
+    third = buffers.empty(3, 8)  # nothing holds it now: lent again, for a smaller step too
+    assert third.data_ptr() == memory and third.shape == (3, 8)
+    third.add_(1.0)  # a normal tensor its caller may change
+    assert buffers.empty(4, 8).data_ptr() != memory  # while `third` lives it is its own

@@ -748,6 +748,34 @@ def test_a_capture_records_only_requests_it_owns_or_that_name_no_owner():
     assert len(second.take(["theirs", "anyone"])) == 2
 
 
+def test_a_captures_rows_stay_their_callers_while_later_steps_reuse_memory():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    capture = GlobalLogprobsCapture()
+    tagged = [SamplingParams(extra_args={"genlm_capture_tag": slot}) for slot in range(4)]
+    slots = [(slot, params, [1], []) for slot, params in enumerate(tagged)]
+    capture.update_state(BatchUpdate(4, removed=[], added=slots, moved=[]))
+    generator = torch.Generator().manual_seed(0)
+    kept = []  # (row, numpy view of another row, their expected values)
+    memories = set()
+    for step in range(12):
+        with torch.inference_mode():  # as vLLM's sampler hands them over
+            logits = torch.randn(4, 4096, generator=generator)
+        expected = torch.log_softmax(logits.clone(), -1)
+        capture.apply(logits)
+        rows = capture.take(list(range(4)))
+        memories.add(rows[0].untyped_storage().data_ptr())
+        torch.testing.assert_close(torch.stack(rows), expected, rtol=0, atol=0)
+        rows[3].add_(1.0)  # a caller changes its own row in place
+        if step % 4 == 0:  # these callers keep their rows; the others let go
+            kept.append((rows[0], rows[1].numpy(), expected[0].clone(), expected[1].clone()))
+    assert len(memories) < 12  # steps whose rows nobody held lent their memory to later ones
+    for row, array, first, second in kept:  # no later step wrote into them
+        torch.testing.assert_close(row, first, rtol=0, atol=0)
+        np.testing.assert_array_equal(array, second.numpy())
+
+
 def test_two_captures_on_one_engine_keep_no_rows_of_each_other(vllm_lm, reference):
     # Before captures had owners, the module's capture kept a row for every query of
     # the second wrapper, which nothing ever took.

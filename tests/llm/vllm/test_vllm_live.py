@@ -194,7 +194,9 @@ async def test_our_code_in_the_engine_steps_never_waits_for_the_device(live_lm, 
     await ask(live_lm, [*particles, [*particles[0][:-1], 8]])  # a sibling of the first
     sequence = context(93, 24)
     await live_lm.batch_next_token_logprobs([sequence[:k] for k in range(1, 25)])
-    assert counter.ours["aten::log_softmax.int"] >= 5  # the capture's, one a step: seen
+    # The capture's, one a step (into memory of its own on the CPU: the `out` overload): seen.
+    normalised = sum(n for name, n in counter.ours.items() if name.startswith("aten::log_softmax"))
+    assert normalised >= 5
     assert not counter.syncs
 
 

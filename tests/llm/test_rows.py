@@ -177,3 +177,16 @@ def test_row_buffers_lend_memory_again_only_once_nothing_holds_it():
     assert third.data_ptr() == memory and third.shape == (3, 8)
     third.add_(1.0)  # a normal tensor its caller may change
     assert buffers.empty(4, 8).data_ptr() != memory  # while `third` lives it is its own
+
+
+def test_row_buffers_are_float32_whatever_torchs_default_dtype():
+    buffers, default = RowBuffers(), torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        first = buffers.empty(3, 5)
+        assert first.dtype == torch.float32
+        del first
+        again = buffers.empty(2, 5)  # the first's memory, lent again
+        assert again.dtype == torch.float32 and again.shape == (2, 5)
+    finally:
+        torch.set_default_dtype(default)

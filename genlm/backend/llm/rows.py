@@ -126,8 +126,8 @@ class RowBuffers:
             for index, storage in enumerate(self._storages):
                 if storage.nbytes() >= nbytes and _storage_users(storage._cdata) == 1:
                     self._storages.append(self._storages.pop(index))
-                    return torch.empty(0).set_(storage, 0, (rows, columns))
-        tensor = torch.empty(rows, columns)
+                    return torch.empty(0, dtype=torch.float32).set_(storage, 0, (rows, columns))
+        tensor = torch.empty(rows, columns, dtype=torch.float32)  # whatever torch's default
         if _storage_users is not None:
             self._storages.append(tensor.untyped_storage())
             del self._storages[: -self._keep]

@@ -45,15 +45,13 @@ def step_costs_of(lm: Any, model: Any, setting: tuple | None, trace: Any, clock:
     return costs
 
 
-def contract_costs(
-    n: int, vocab: int, rounds: int = 200, log_softmax: bool = False
-) -> dict[str, float]:
+def contract_costs(n: int, vocab: int, rounds: int = 200) -> dict[str, float]:
     """Medians, in ms, of what every step of the workload costs through this API and not in the
     floor: N particles' awaits (`asyncio.gather` of N coroutines, each awaiting a future that one
     callback answers, no model), and one copy of N float32 rows into memory used before (the
     caller's rows and the output cache's are two tensors; the floor keeps one), in torch's
-    threads; with `log_softmax` (a floor that decodes without log-probabilities, as an engine's
-    decode), also the log-softmax of N rows of float32 logits, into memory written before."""
+    threads. (Both floors compute the rows' log-softmax: transformers' hand-written decode, and
+    the engine's, whose sampler runs the backend's capture on every row.)"""
 
     async def fan_out() -> list[float]:
         loop, waiting, times = asyncio.get_running_loop(), [], []
@@ -84,15 +82,7 @@ def contract_costs(
         kept[part % len(kept)].copy_(rows)
         copies.append(time.perf_counter() - start)
     awaits = asyncio.run(fan_out())
-    costs = {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
-    if log_softmax:  # into memory written before, as the backend's capture writes
-        logits, out, normalised = torch.randn(n, vocab), torch.zeros(n, vocab), []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
-            normalised.append(time.perf_counter() - start)
-        costs["log-softmax of N rows"] = 1e3 * median(normalised)
-    return costs
+    return {"N awaits": 1e3 * median(awaits), "copy of N rows": 1e3 * median(copies)}
 
 
 @functools.cache  # one measurement per shape: the backends and models of a run share it
@@ -177,8 +167,7 @@ def measure(
     notes |= {f"phase: {name}": value for name, value in phases.items()}
     notes["page faults floor / defaults"] = (floor[3], ours[3])
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
-    # The engine's decode computes no log-probabilities; transformers' hand-written one does.
-    contract = contract_costs(n, lm.vocab_size, log_softmax=model is None)
+    contract = contract_costs(n, lm.vocab_size)
     notes |= {f"contract: {name}": value for name, value in contract.items()}
     notes |= cache_store_costs(n, lm.vocab_size)  # copied in: the cached dict stays as it is
     notes["over floor + contract"] = ours[0] - floor[0] - sum(contract.values())

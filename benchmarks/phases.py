@@ -6,8 +6,8 @@ A step runs, in order, from the start of the engine's step to the start of the n
 
 - "engine step, to the rows": vLLM's `LLMEngine.step` (scheduling, the model's forward) until
   its sampler hands the capture the step's logits;
-- "rows' log-softmax": the capture's log-softmax of them (the API's log-probabilities, which
-  the engine's own decode does not compute);
+- "rows' log-softmax": the capture's log-softmax of them (the API's log-probabilities; the
+  decode floor's steps run it too, the capture sitting in the engine's sampler);
 - "engine step, after the rows": the rest of the engine's step (sampling, its bookkeeping);
 - "fed requests parked": the live requests whose input the step computed wait idle again;
 - "rows taken": the step's rows read from the capture;

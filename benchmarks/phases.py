@@ -97,6 +97,8 @@ class StepPhases:
         order = [(mark, phase) for mark, phase in _MARKS if mark in installed]
         names = [mark for mark, _ in order]
         durations: dict[str, list[float]] = {phase: [] for _, phase in order}
+        # The stretch from each mark to the next ends a phase; the last, the next step's start.
+        ending = [phase for _, phase in order[1:] + order[:1]]
         starts = [i for i, (name, _) in enumerate(self._marks) if name == names[0]]
         self.irregular = 0
         for start, end in zip(starts, starts[1:], strict=False):
@@ -105,8 +107,6 @@ class StepPhases:
                 self.irregular += 1
                 continue
             times = [at for _, at in step]
-            # The stretch from each mark to the next ends a phase; the last, the next step's start.
-            ending = [phase for _, phase in order[1:] + order[:1]]
             for phase, before, after in zip(ending, times[:-1], times[1:], strict=True):
                 durations[phase].append(1e3 * (after - before))
         return {phase: median(durations[phase]) for phase in PHASES if durations.get(phase)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any
@@ -67,6 +68,7 @@ def fit_width(rows: torch.Tensor, width: int) -> torch.Tensor:
     return fitted
 
 
+@functools.cache  # checked once, when the first `RowBuffers` is made (not at import)
 def _storage_user_count() -> Any:
     """torch's count of the tensors that share a storage (a private function), if this torch has
     it and it counts as `RowBuffers` needs: a view, and an array of a row, hold the memory of a
@@ -88,9 +90,6 @@ def _storage_user_count() -> Any:
     return count if held_by_both > held_by_array > alone == 1 else None
 
 
-_storage_users = _storage_user_count()
-
-
 class RowBuffers:
     """CPU memory for the rows of successive steps, reused once nothing holds an earlier step's.
 
@@ -103,7 +102,7 @@ class RowBuffers:
     memory only when every kept one is still held.
 
     Where torch's count of a storage's users is missing or counts otherwise
-    (checked at import), every step gets new memory, as before.
+    (checked once), every step gets new memory, as before.
 
     Args:
         keep: Most steps' memories kept (held or not); past that the oldest is
@@ -114,6 +113,7 @@ class RowBuffers:
 
     def __init__(self, keep: int = 2):
         self._keep = keep
+        self._users = _storage_user_count()
         self._storages: list[torch.UntypedStorage] = []  # least recently used first
 
     def empty(self, rows: int, columns: int) -> torch.Tensor:
@@ -122,13 +122,13 @@ class RowBuffers:
         Make it outside inference mode if callers may change its rows in place.
         """
         nbytes = rows * columns * 4
-        if _storage_users is not None:
+        if self._users is not None:
             for index, storage in enumerate(self._storages):
-                if storage.nbytes() >= nbytes and _storage_users(storage._cdata) == 1:
+                if storage.nbytes() >= nbytes and self._users(storage._cdata) == 1:
                     self._storages.append(self._storages.pop(index))
                     return torch.empty(0, dtype=torch.float32).set_(storage, 0, (rows, columns))
         tensor = torch.empty(rows, columns, dtype=torch.float32)  # whatever torch's default
-        if _storage_users is not None:
+        if self._users is not None:
             self._storages.append(tensor.untyped_storage())
             del self._storages[: -self._keep]
         return tensor

@@ -12,6 +12,7 @@ import functools
 import gc
 import os
 import weakref
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
@@ -774,6 +775,29 @@ def test_a_captures_rows_stay_their_callers_while_later_steps_reuse_memory():
     for row, array, first, second in kept:  # no later step wrote into them
         torch.testing.assert_close(row, first, rtol=0, atol=0)
         np.testing.assert_array_equal(array, second.numpy())
+
+
+async def test_a_steps_rows_and_futures_need_no_garbage_collector_to_be_freed(make_lm):
+    # A step's rows are freed once its callers let go (`RowBuffers` then lends their memory
+    # to a later step): nothing of the backend's keeps them in a reference cycle.
+    lm, kept = make_lm(), (torch.Tensor, Future, asyncio.Future)
+    contexts = [list(PROMPTS[0]) for _ in range(4)]
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds stays in `gc.garbage`
+    try:
+        for step in range(4):
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            for particle, context in enumerate(contexts):
+                context.append(int(rows[particle].argmax()) if particle != step else 5)
+        del rows
+        gc.collect()
+        cycles = [type(thing).__name__ for thing in gc.garbage if isinstance(thing, kept)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert cycles == []
 
 
 def test_two_captures_on_one_engine_keep_no_rows_of_each_other(vllm_lm, reference):

@@ -14,13 +14,14 @@ import signal
 import threading
 import time
 import weakref
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from types import SimpleNamespace
 
 import pytest
 
 from genlm.backend.errors import EngineDeadError
 from genlm.backend.llm.vllm.engine_loop import EngineLoop, EngineRequest
+from genlm.backend.llm.vllm.futures import then
 
 LIMIT = 10  # seconds any future may take
 
@@ -290,3 +291,36 @@ def test_a_loop_nobody_holds_ends_its_thread(engine):
     assert not thread.is_alive()
     gc.collect()
     assert reference() is None
+
+
+class Result:
+    """A result a weak reference can follow (a list cannot be weakly referenced)."""
+
+
+@pytest.mark.parametrize("ending", ["value", "future", "cancelled first", "cancelled later"])
+def test_a_chained_future_lets_go_of_its_result_without_the_garbage_collector(ending):
+    # `concurrent.futures.Future` keeps its callbacks once answered: a future that named the
+    # future it waits on from a callback of its own made a cycle, and the futures and the
+    # result (a step's rows) lived until the garbage collector ran.
+    gc.collect()
+    gc.disable()
+    try:
+        first, following, value = Future(), Future(), Result()
+        answer = value if ending == "value" else following
+        result = then(first, lambda _, answer=answer: answer)
+        del answer
+        if ending == "cancelled first":
+            assert result.cancel() and first.cancelled()
+        else:
+            first.set_result(None)
+        if ending == "cancelled later":
+            assert result.cancel() and following.cancelled()
+        elif ending == "future":
+            following.set_result(value)
+        if not ending.startswith("cancelled"):
+            assert result.result(0) is value
+        freed = [weakref.ref(thing) for thing in (first, following, value, result)]
+        del first, following, value, result
+        assert [reference() for reference in freed] == [None] * 4
+    finally:
+        gc.enable()

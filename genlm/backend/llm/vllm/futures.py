@@ -24,11 +24,15 @@ def then(first: Future, step: Callable[[Any], Any]) -> Future:
         A `concurrent.futures.Future`.
     """
     result: Future = Future()
+    # The future `result` waits on, while it waits: `result` is answered through its callbacks,
+    # so it must not keep it. (A `concurrent.futures.Future` keeps its callbacks once answered:
+    # a reference back would make a cycle that holds the rows until the garbage collector runs.)
     waited = [first]
 
     def cancel_waited(done: Future) -> None:
-        if done.cancelled():
+        if done.cancelled() and waited:
             waited[-1].cancel()
+        waited.clear()
 
     def relay(done: Future) -> None:
         if done.cancelled():
@@ -50,10 +54,11 @@ def then(first: Future, step: Callable[[Any], Any]) -> Future:
         if not isinstance(following, Future):
             answer_future(result, following)
             return
-        waited.append(following)
+        waited[:] = [following]
         following.add_done_callback(relay)
-        if result.cancelled():
+        if result.cancelled():  # meanwhile, perhaps before `waited` named `following`
             following.cancel()
+            waited.clear()
 
     result.add_done_callback(cancel_waited)
     first.add_done_callback(proceed)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,15 @@ class AsyncTokenCharacterTrie:
 
     def __init__(self, trie: TokenCharacterTrie, batch_size: int = 64, timeout: float = 0.02):
         self.trie = trie
-        self._sum = AutoBatcher(self._batch_sum, batch_size=batch_size, timeout=timeout)
-        self._max = AutoBatcher(self._batch_max, batch_size=batch_size, timeout=timeout)
+        # The batchers call the trie's own methods, not this object's: a bound method of this
+        # object would make a cycle, and a trie dropped by its users would wait for the
+        # garbage collector's full passes to be freed.
+        self._sum = AutoBatcher(
+            partial(_listed, trie.batch_weight_sum), batch_size=batch_size, timeout=timeout
+        )
+        self._max = AutoBatcher(
+            partial(_listed, trie.batch_weight_max), batch_size=batch_size, timeout=timeout
+        )
 
     @classmethod
     def from_vocab(
@@ -74,12 +82,6 @@ class AsyncTokenCharacterTrie:
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         return cls(_BACKENDS[backend](vocab, **kwargs))
-
-    def _batch_sum(self, rows: list) -> list[np.ndarray]:
-        return list(self.trie.batch_weight_sum(rows))
-
-    def _batch_max(self, rows: list) -> list[np.ndarray]:
-        return list(self.trie.batch_weight_max(rows))
 
     def start(self) -> None:
         """Nothing to do: batching starts lazily with the first request in a running loop.
@@ -134,3 +136,8 @@ class AsyncTokenCharacterTrie:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.cleanup()
+
+
+def _listed(reduce: Callable[[list], Any], rows: list) -> list[np.ndarray]:
+    """`reduce(rows)`'s results as a list, one per row."""
+    return list(reduce(rows))

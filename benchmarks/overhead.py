@@ -3,7 +3,9 @@
 `batch_size=N`, transformers' cache off. Notes: what the API's contract adds to any backend's
 step and the floor lacks, timed alone (`contract_costs`); the Python bytecodes a step runs in
 this package and in vLLM, floor and defaults (`workload.BytecodeCounter`: host work counted,
-not timed); for vLLM, where the defaults' step goes (`phases.StepPhases`, ms, medians)."""
+not timed); the garbage collector's ms a step, floor and defaults (`workload.CollectorTimer`,
+means: a collection runs now and then); for vLLM, where the defaults' step goes
+(`phases.StepPhases`, ms, medians)."""
 
 import argparse
 import asyncio
@@ -20,7 +22,13 @@ import torch
 from benchmarks import vllm_smc, workload
 from benchmarks.core import Figure, compare, median, record, set_threads
 from benchmarks.phases import StepPhases
-from benchmarks.workload import BytecodeCounter, ForwardTimer, OpCounter, median_of
+from benchmarks.workload import (
+    BytecodeCounter,
+    CollectorTimer,
+    ForwardTimer,
+    OpCounter,
+    median_of,
+)
 
 OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model architectures")}
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
@@ -128,18 +136,23 @@ def measure(
     if model is not None:  # what the output cache's private copies cost
         settings["cache off"] = (n, False)
 
+    collector = CollectorTimer()
+
     def stamp() -> tuple[float, ...]:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        return time.perf_counter(), time.process_time(), forward.seconds, faults
+        return time.perf_counter(), time.process_time(), forward.seconds, faults, collector.seconds
 
     def per_step(setting: tuple | None) -> tuple[float, ...]:
         costs = step_costs_of(lm, model, setting, trace, stamp)
         wall, cpu, _, faults = (median_of(costs, i) for i in range(4))
         outside = median(c[0] - c[2] for c in costs)
-        return 1e3 * wall, 1e3 * cpu, 1e3 * outside, faults, 1e3 * mean(c[0] for c in costs)
+        means = (1e3 * mean(c[column] for c in costs) for column in (0, 4))
+        return 1e3 * wall, 1e3 * cpu, 1e3 * outside, faults, *means
 
     runs = {name: partial(per_step, setting) for name, setting in settings.items()}
-    ms, ops, bytecodes = compare(runs, repeats, warm_up=True), (), {}
+    with collector:
+        ms = compare(runs, repeats, warm_up=True)
+    ops, bytecodes = (), {}
     for name in ("floor", "defaults") if model is not None else ():
         with OpCounter() as counter:
             ops += (median_of(step_costs_of(lm, model, settings[name], trace, counter.read), 3),)
@@ -153,7 +166,7 @@ def measure(
             step_costs_of(lm, model, settings["defaults"], trace, workload.wall_clock)
         phases = marked.medians()
     lm.batch_size = default
-    # Median wall, CPU, outside-the-forward ms; page faults; mean wall ms.
+    # Median wall, CPU, outside-the-forward ms; page faults; mean wall and collector ms.
     floor, ours = ms["floor"], ms["defaults"]
     notes = {f"{name} over": ms[name][0] - floor[0] for name in list(ms)[2:]}
     notes["mean step over"] = ours[4] - floor[4]  # resampling steps included
@@ -166,6 +179,7 @@ def measure(
         notes[f"Python bytecodes, {name}"] = counts
     notes |= {f"phase: {name}": value for name, value in phases.items()}
     notes["page faults floor / defaults"] = (floor[3], ours[3])
+    notes["garbage collector, mean ms a step, floor / defaults"] = (floor[5], ours[5])
     notes["defaults / bs=N"] = ours[0] / ms["bs=N"][0]
     contract = contract_costs(n, lm.vocab_size)
     notes |= {f"contract: {name}": value for name, value in contract.items()}

@@ -3,6 +3,7 @@ a seeded token, T steps; seeded resampling every 5), its floor `run_reference`, 
 counting. Needs no `genlm.backend` of this checkout: 0.3.1 runs it."""
 
 import asyncio
+import gc
 import itertools
 import operator
 import sys
@@ -303,6 +304,26 @@ class ForwardTimer:
     def read(self) -> Stamp:
         """Wall seconds now, forward seconds and calls so far."""
         return time.perf_counter(), self.seconds, self.calls
+
+
+class CollectorTimer:
+    """Adds up the seconds Python's garbage collector runs, in any thread, while entered."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> "CollectorTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 class BytecodeCounter:

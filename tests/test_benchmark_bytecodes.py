@@ -1,12 +1,14 @@
 """The host work the per-step rows count (`workload.BytecodeCounter`): the Python bytecodes of
 this package (and of vLLM) that run while the counter is on, in the entering thread, in threads
-started meanwhile, and in an engine thread running already, reached through its loop's `call`."""
+started meanwhile, and in an engine thread running already, reached through its loop's `call`;
+and the garbage collector's time (`workload.CollectorTimer`)."""
 
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from benchmarks.workload import BytecodeCounter
+from benchmarks.workload import BytecodeCounter, CollectorTimer
 from genlm.backend.llm.base import check_token_ids
 
 
@@ -51,3 +53,19 @@ def test_counts_an_engine_thread_running_already_through_its_loop():
             pass
         engine_thread.submit(check_token_ids, [1, 2, 3], 10).result()  # after: untraced
         assert counter.read() == (0, 0)
+
+
+def test_the_collector_timer_counts_collections_while_entered_only():
+    def cycles(count: int) -> None:
+        for _ in range(count):
+            node: list = []
+            node.append(node)
+
+    with CollectorTimer() as timer:
+        cycles(100_000)
+        gc.collect()
+    entered = timer.seconds
+    assert entered > 0
+    cycles(100_000)
+    gc.collect()
+    assert timer.seconds == entered and timer._callback not in gc.callbacks

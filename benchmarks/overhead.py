@@ -10,6 +10,7 @@ means: a collection runs now and then); for vLLM, where the defaults' step goes
 import argparse
 import asyncio
 import functools
+import gc
 import resource
 import sys
 import time
@@ -34,6 +35,7 @@ OPTIONS = {"configs": "10x32,32x32", "models": ("llama,gpt2", "tiny model archit
 OPTIONS |= {"backends": ("hf,vllm", "hf and/or vllm"), "repeats": 3}
 OPTIONS["threads"] = (1, "hf rows' torch threads (0: all)")
 OPTIONS["prompt"] = (workload.PROMPT_LENGTH, "prompt tokens")
+OPTIONS["gc_threshold"] = (0, "Python's first garbage-collector threshold in the runs (0: as set)")
 NAMES = {"llama": "tiny Llama", "gpt2": "tiny GPT-2", "hf": "transformers", "vllm": "vLLM"}
 ENGINE_OPTS = {"dtype": "float32", "max_model_len": 512, "enforce_eager": True, "seed": 0}
 
@@ -204,6 +206,17 @@ def start(backend: str, arch: str) -> tuple[Any, Any, Any]:
 
 
 def run(args: argparse.Namespace) -> None:
+    """Measure every backend, model and configuration (with `--gc-threshold`, under it)."""
+    thresholds = gc.get_threshold()
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *thresholds[1:])
+    try:
+        measure_all(args)
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def measure_all(args: argparse.Namespace) -> None:
     """Measure every backend, model and configuration."""
     torch_threads = torch.get_num_threads()
     for backend in args.backends.split(","):
@@ -224,6 +237,9 @@ def run(args: argparse.Namespace) -> None:
                 if args.prompt != workload.PROMPT_LENGTH:
                     label += f", {args.prompt}-token prompt"
                     row_id += f"/prompt{args.prompt}"
+                if args.gc_threshold:
+                    label += f", `gc.set_threshold({args.gc_threshold})`"
+                    row_id += f"/gc{args.gc_threshold}"
                 record(Figure(row_id, label, "+ms", ours, floor, target="≤ +0.5 ms", notes=notes))
             if backend == "vllm":
                 lm.cleanup()
